@@ -1,0 +1,135 @@
+"""Gateway-internal request and result types, shared by the front ends (OpenAI REST, gRPC Generate) and the scheduler.
+
+These are plain dataclasses: no torch, no protobuf. The front ends turn user requests into `GenerateParams`, the
+scheduler (`GenerationBackend`) turns them into a stream of `GenerateChunk`s.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class GatewayError(Exception):
+    """Base of errors the front ends map to OpenAI error bodies / gRPC statuses."""
+
+    http_status = 500
+    grpc_code = "INTERNAL"
+    error_type = "internal_error"
+
+
+class InvalidRequest(GatewayError):
+    """The request is malformed or violates a limit (HTTP 400 / INVALID_ARGUMENT)."""
+
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(GatewayError):
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+    error_type = "not_found_error"
+
+
+class Overloaded(GatewayError):
+    """Queue full or KV exhausted (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+    error_type = "rate_limit_error"
+
+
+class Unavailable(GatewayError):
+    """No model pod can serve the request (HTTP 503 / UNAVAILABLE)."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+    error_type = "service_unavailable"
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """Sampling knobs of one request; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+
+
+@dataclass
+class GenerateParams:
+    """One generation request after validation and tokenization."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: RequestSampling = field(default_factory=RequestSampling)
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+    detokenize: bool = True
+    deadline_s: float | None = None  # absolute time.monotonic() deadline; None = the server default
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    verify_steps: int = 0  # target steps after prefill
+    accepted_draft_tokens: int = 0
+    proposed_draft_tokens: int = 0
+
+    @property
+    def mean_accept_length(self) -> float:
+        """Tokens committed per target forward, bonus included; the prefill-sampled token counts (SGLang's rule)."""
+        steps = self.verify_steps + 1
+        return self.completion_tokens / steps if self.completion_tokens else 0.0
+
+
+@dataclass
+class GenerateChunk:
+    """Newly committed output of one request; the last chunk has `finish_reason` and `usage` set."""
+
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    matched_stop: str | None = None
+
+
+class GenerationBackend(Protocol):
+    """What the front ends need from the scheduler."""
+
+    model_name: str
+    max_context_len: int
+
+    def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
+        """Admit the request and stream its chunks; raises GatewayError subclasses on rejection.
+
+        Closing the iterator early (client disconnect) aborts the request and frees its KV on every pod.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        ...
