@@ -59,6 +59,14 @@ class Unavailable(GatewayError):
     error_type = "service_unavailable"
 
 
+class DeadlineExceeded(GatewayError):
+    """The request ran past its deadline (HTTP 504 / DEADLINE_EXCEEDED)."""
+
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+    error_type = "timeout_error"
+
+
 @dataclass(frozen=True)
 class RequestSampling:
     """Sampling knobs of one request; temperature 0 means greedy."""
