@@ -1,0 +1,72 @@
+"""gRPC servicer of the draft service: Prefill/Propose/Release over one Proposer, model work off the event loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from draft_service import convert
+from draft_service.proposer import Proposer
+from protos.tandem.v1 import tandem_pb2 as pb
+from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
+from protos.wire import PROTOCOL, start_server
+
+logger = logging.getLogger(__name__)
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None):
+        self.proposer = proposer
+        self.model_path = model_path
+        self.info = info or {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _memory(self) -> pb.MemoryState:
+        free, total = self.proposer.memory()
+        return pb.MemoryState(free_kv_tokens=free, total_kv_tokens=total, num_seqs=self.proposer.num_seqs)
+
+    async def Prefill(self, request: pb.DraftPrefillRequest, context) -> pb.DraftPrefillResponse:
+        start = time.perf_counter()
+
+        def run():
+            return [(s.seq_id, self.proposer.prefill(s.seq_id, list(s.token_ids))) for s in request.seqs]
+
+        results = await self._run(run)
+        return pb.DraftPrefillResponse(
+            results=[pb.DraftPrefillResult(seq_id=seq_id, status=int(status)) for seq_id, status in results],
+            memory=self._memory(), timings=pb.StepTimings(total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        start = time.perf_counter()
+        try:
+            inputs = convert.propose_inputs(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs = await self._run(self.proposer.propose, inputs)
+        elapsed = (time.perf_counter() - start) * 1e3
+        return pb.ProposeResponse(results=[convert.propose_result(o) for o in outputs], memory=self._memory(),
+                                  timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        released = await self._run(self.proposer.release, list(request.seq_ids))
+        return pb.ReleaseResponse(num_released=released, memory=self._memory())
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
+        return pb.ModelInfo(model_path=self.model_path, algorithm=self.proposer.algorithm, memory=self._memory(),
+                            protocol=PROTOCOL, **self.info)
+
+
+async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None):
+    """Start the draft gRPC server; returns (server, bound_port)."""
+    servicer = DraftServicer(proposer, model_path, info)
+    server, bound, _ = await start_server(
+        lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
+        [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port)
+    logger.info("draft service (%s) listening on %s:%d", proposer.algorithm, host, bound)
+    return server, bound

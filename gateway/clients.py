@@ -1,0 +1,172 @@
+"""gRPC clients of the model services, as the scheduler sees them: plain dataclasses in, plain dataclasses out.
+
+Every call has a deadline. Transport failures surface as `PodUnavailable` so the scheduler can fall back (draft) or
+fail over (target) without knowing about grpc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.types import RequestSampling
+from protos.tandem.v1 import tandem_pb2 as pb
+from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
+from protos.wire import CHANNEL_OPTIONS
+
+
+class PodUnavailable(Exception):
+    """The pod could not be reached or failed the call (transport error, deadline, internal error)."""
+
+
+@dataclass
+class SeqStop:
+    max_new_tokens: int
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    prompt_len: int
+
+
+@dataclass
+class TargetPrefillItem:
+    seq_id: str
+    token_ids: list[int]
+    sample_next_token: bool
+    sampling: RequestSampling
+    stop: SeqStop
+
+
+@dataclass
+class VerifyItem:
+    seq_id: str
+    committed_len: int
+    root_token_id: int
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    sampling: RequestSampling
+    stop: SeqStop
+
+
+@dataclass
+class StepResult:
+    """One sequence's answer to a step RPC."""
+
+    seq_id: str
+    status: int  # pb.SeqStatus value
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = 0  # pb.FinishReason value
+    num_accepted_drafts: int = 0
+    num_draft_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class ProposeItem:
+    seq_id: str
+    committed_len: int
+    new_token_ids: list[int]
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+@dataclass
+class Proposal:
+    seq_id: str
+    status: int
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    base_committed_len: int
+
+
+STATUS_OK = pb.SEQ_STATUS_OK
+STATUS_STALE = pb.SEQ_STATUS_STALE
+STATUS_OOM = pb.SEQ_STATUS_OUT_OF_MEMORY
+STATUS_INVALID = pb.SEQ_STATUS_INVALID
+
+
+def _sampling(s: RequestSampling) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def _stop(s: SeqStop) -> pb.StopParams:
+    return pb.StopParams(max_new_tokens=s.max_new_tokens, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                         prompt_len=s.prompt_len)
+
+
+class _Client:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    async def _call(self, method, request, timeout_s: float | None = None):
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from exc
+            raise PodUnavailable(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class TargetClient(_Client):
+    def __init__(self, address: str, timeout_s: float = 120.0):
+        super().__init__(address, timeout_s)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+
+    async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
+        return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
+
+    async def prefill(self, items: list[TargetPrefillItem]) -> list[StepResult]:
+        request = pb.TargetPrefillRequest(seqs=[
+            pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
+                                sampling=_sampling(i.sampling), stop=_stop(i.stop)) for i in items])
+        response = await self._call(self.stub.Prefill, request)
+        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error)
+                for r in response.results]
+
+    async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
+        request = pb.VerifyRequest(seqs=[
+            pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
+                         tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents),
+                         sampling=_sampling(i.sampling), stop=_stop(i.stop)) for i in items])
+        response = await self._call(self.stub.Verify, request)
+        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, r.num_accepted_drafts,
+                           r.num_draft_tokens, r.error) for r in response.results]
+
+    async def release(self, seq_ids: list[str]) -> int:
+        response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
+        return response.num_released
+
+
+class DraftClient(_Client):
+    def __init__(self, address: str, timeout_s: float = 60.0):
+        super().__init__(address, timeout_s)
+        self.stub = pb_grpc.DraftServiceStub(self.channel)
+
+    async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
+        return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
+
+    async def prefill(self, seqs: list[tuple[str, list[int]]]) -> list[int]:
+        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t) for s, t in seqs])
+        response = await self._call(self.stub.Prefill, request)
+        return [r.status for r in response.results]
+
+    async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+        request = pb.ProposeRequest(seqs=[
+            pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
+                          spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens))
+            for i in items])
+        response = await self._call(self.stub.Propose, request)
+        return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len)
+                for r in response.results]
+
+    async def release(self, seq_ids: list[str]) -> int:
+        response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
+        return response.num_released

@@ -1,0 +1,295 @@
+"""The speculative loop: continuous batching of every running sequence over one draft pod and one target pod.
+
+Each loop iteration: release finished/aborted sequences on both pods, admit waiting requests (one batched target
+Prefill + one draft Prefill), then one step for all running sequences — one batched Propose to the draft, one batched
+Verify to the target — and commit what the target accepted. The gateway's committed token list is the source of
+truth: a pod that answers STALE is re-synced from it; an unreachable draft means target-only decoding.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem,
+                             SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
+from gateway.sequence import Sequence
+from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
+                           InvalidRequest, Overloaded, Unavailable)
+
+logger = logging.getLogger(__name__)
+
+_FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation shape sent with every Propose; algorithm "NONE" means plain decoding through Verify."""
+
+    algorithm: str = "NONE"
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    max_queued_requests: int = 256
+    request_timeout_s: float = 600.0
+    draft_retry_s: float = 5.0  # how long a failed draft pod is left alone before trying it again
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
+            raise ValueError("max_running_requests >= 1, max_queued_requests >= 0, request_timeout_s > 0")
+
+
+class Scheduler:
+    """Implements gateway.types.GenerationBackend over one target pod and an optional draft pod."""
+
+    def __init__(self, *, target: TargetClient, draft: DraftClient | None, tokenizer, model_name: str,
+                 max_context_len: int, vocab_size: int, eos_token_ids: list[int], spec: SpecConfig,
+                 config: SchedulerConfig = SchedulerConfig()):
+        self.target, self.draft = target, draft
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.spec = spec
+        self.config = config
+        self._gateway_id = uuid.uuid4().hex[:8]
+        self._counter = itertools.count()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._to_release: list[str] = []
+        self._by_request: dict[str, Sequence] = {}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._draft_down_until = 0.0
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- GenerationBackend
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="tandem-scheduler")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for seq in [*self._running, *self._waiting]:
+            seq.fail(Unavailable("server shutting down"))
+
+    def health(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
+        seq = self._admit(params)
+        try:
+            while True:
+                remaining = seq.deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(seq.queue.get(), timeout=max(remaining, 0.0) + 5.0)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded("request deadline exceeded") from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:  # client went away or the iterator was closed early: free KV on both pods
+                seq.finished = True
+                seq.aborted = True
+                self._wakeup.set()
+            self._by_request.pop(seq.request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        seq = self._by_request.get(request_id)
+        if seq is None or seq.finished:
+            return False
+        seq.finish(FinishReason.ABORT)
+        self._wakeup.set()
+        return True
+
+    # ---------------------------------------------------------------- admission
+    def _admit(self, params: GenerateParams) -> Sequence:
+        prompt_len = len(params.prompt_token_ids)
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if max(params.prompt_token_ids) >= self.vocab_size or min(params.prompt_token_ids) < 0:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if params.max_new_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if prompt_len + params.max_new_tokens > self.max_context_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_context_len} tokens. However, you requested "
+                f"{prompt_len + params.max_new_tokens} tokens ({prompt_len} in the messages, "
+                f"{params.max_new_tokens} in the completion).", "max_tokens")
+        if params.request_id in self._by_request:
+            raise InvalidRequest(f"request id {params.request_id!r} is already running", "request_id")
+        if len(self._waiting) >= self.config.max_queued_requests + max(
+                0, self.config.max_running_requests - len(self._running)):
+            raise Overloaded("too many requests queued; retry later")
+        deadline = params.deadline_s or time.monotonic() + self.config.request_timeout_s
+        seq_id = f"{self._gateway_id}-{next(self._counter)}"
+        stop_ids = [] if params.ignore_eos else sorted({*self.eos_token_ids, *params.stop_token_ids})
+        seq = Sequence(seq_id, params, self.tokenizer, deadline,
+                       SeqStop(params.max_new_tokens, stop_ids, params.ignore_eos, prompt_len))
+        self._by_request[params.request_id] = seq
+        self._waiting.append(seq)
+        self._wakeup.set()
+        return seq
+
+    # ---------------------------------------------------------------- the loop
+    async def _loop(self) -> None:
+        while True:
+            if not (self._waiting or self._running or self._to_release):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                await self._iteration()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad step kill the loop; fail what was in flight
+                logger.exception("scheduler step failed")
+                for seq in self._running:
+                    seq.fail(Unavailable("internal error in the speculative loop"))
+                await asyncio.sleep(0.1)
+
+    async def _iteration(self) -> None:
+        now = time.monotonic()
+        for seq in self._running:
+            if not seq.finished and now > seq.deadline:
+                seq.fail(DeadlineExceeded("request deadline exceeded"))
+        self._reap()
+        await self._release()
+        await self._admit_waiting()
+        active = [s for s in self._running if not s.finished]
+        if active:
+            await self._step(active)
+            self.num_steps += 1
+        self._reap()
+
+    def _reap(self) -> None:
+        keep = []
+        for seq in self._running:
+            if seq.finished:
+                self._to_release.append(seq.seq_id)
+            else:
+                keep.append(seq)
+        self._running = keep
+        while self._waiting and self._waiting[0].finished:  # aborted before admission: nothing to release
+            self._waiting.popleft()
+
+    async def _release(self) -> None:
+        if not self._to_release:
+            return
+        seq_ids, self._to_release = self._to_release, []
+        pods = [self.target] + ([self.draft] if self.draft else [])
+        results = await asyncio.gather(*(pod.release(seq_ids) for pod in pods), return_exceptions=True)
+        for pod, result in zip(pods, results):
+            if isinstance(result, Exception):  # the pod frees finished sequences itself; log and move on
+                logger.warning("release on %s failed: %s", pod.address, result)
+
+    async def _admit_waiting(self) -> None:
+        new: list[Sequence] = []
+        while self._waiting and len(self._running) + len(new) < self.config.max_running_requests:
+            seq = self._waiting.popleft()
+            if not seq.finished:
+                new.append(seq)
+        resync = [s for s in self._running if s.needs_target_prefill]
+        if not (new or resync):
+            return
+        # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
+        items = [TargetPrefillItem(s.seq_id, s.committed[:], True, s.params.sampling, s.stop) for s in new]
+        items += [TargetPrefillItem(s.seq_id, s.committed[:], False, s.params.sampling, s.stop) for s in resync]
+        try:
+            results = await self.target.prefill(items)
+        except (PodUnavailable, ValueError) as exc:
+            for seq in [*new, *resync]:
+                seq.fail(Unavailable(f"target unavailable: {exc}"))
+            self._running.extend(new)
+            return
+        for seq, result in zip([*new, *resync], results):
+            seq.needs_target_prefill = False
+            if result.status == STATUS_OOM:
+                seq.fail(Overloaded(f"not enough KV cache: {result.error}"))
+            elif result.status != STATUS_OK:
+                seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
+            elif result.token_ids:
+                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
+        self._running.extend(new)
+
+    def _draft_usable(self) -> bool:
+        return self.draft is not None and self.spec.enabled and time.monotonic() >= self._draft_down_until
+
+    async def _propose(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+        """Trees per sequence from the draft pod; {} when the draft is unusable (target-only step)."""
+        if not self._draft_usable():
+            return {}
+        try:
+            unsynced = [s for s in seqs if s.draft_synced_len == 0]
+            if unsynced:
+                statuses = await self.draft.prefill([(s.seq_id, s.committed[:]) for s in unsynced])
+                for seq, status in zip(unsynced, statuses):
+                    if status == STATUS_OK:
+                        seq.draft_synced_len = len(seq.committed)
+            ready = [s for s in seqs if s.draft_synced_len > 0]
+            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], self.spec.num_steps,
+                                 self.spec.topk, self.spec.num_draft_tokens) for s in ready]
+            proposals = await self.draft.propose(items) if items else []
+        except PodUnavailable as exc:
+            logger.warning("draft pod unusable, continuing target-only: %s", exc)
+            self._draft_down_until = time.monotonic() + self.config.draft_retry_s
+            for seq in seqs:
+                seq.draft_synced_len = 0
+            return {}
+        trees = {}
+        by_id = {s.seq_id: s for s in ready}
+        for proposal in proposals:
+            seq = by_id[proposal.seq_id]
+            if proposal.status == STATUS_STALE:
+                seq.draft_synced_len = 0
+            elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
+                seq.draft_synced_len = len(seq.committed)
+                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents)
+        return trees
+
+    async def _step(self, seqs: list[Sequence]) -> None:
+        trees = await self._propose(seqs)
+        items = []
+        for seq in seqs:
+            tokens, parents = trees.get(seq.seq_id, ([], []))
+            items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
+                                    seq.params.sampling, seq.stop))
+        try:
+            results = await self.target.verify(items)
+        except (PodUnavailable, ValueError) as exc:
+            for seq in seqs:
+                seq.fail(Unavailable(f"target unavailable: {exc}"))
+            return
+        for seq, result in zip(seqs, results):
+            if seq.finished:  # aborted while the step was in flight
+                continue
+            if result.status == STATUS_STALE:
+                seq.needs_target_prefill = True
+            elif result.status == STATUS_OOM:
+                seq.fail(Overloaded(f"KV cache exhausted: {result.error}"))
+            elif result.status != STATUS_OK:
+                seq.fail(GatewayError(f"target rejected the step: {result.error}"))
+            else:
+                seq.record_step(result.num_accepted_drafts, result.num_draft_tokens)
+                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))

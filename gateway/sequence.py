@@ -1,0 +1,79 @@
+"""One running request as the gateway sees it: the committed token list (source of truth), output streaming,
+incremental detokenization with stop strings, and speculative statistics.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from gateway.clients import SeqStop
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.types import FinishReason, GenerateChunk, GenerateParams, Usage
+
+
+class Sequence:
+    def __init__(self, seq_id: str, params: GenerateParams, tokenizer, deadline: float, stop: SeqStop):
+        self.seq_id = seq_id
+        self.params = params
+        self.request_id = params.request_id
+        self.deadline = deadline
+        self.stop = stop
+        self.committed: list[int] = list(params.prompt_token_ids)  # prompt + output; the last one has no KV yet
+        self.prompt_len = len(params.prompt_token_ids)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.aborted = False
+        self.needs_target_prefill = False  # set when the target answered STALE: re-sync from `committed`
+        self.draft_synced_len = 0  # committed tokens the draft pod knows; 0 = it must be (re-)prefilled
+        self.verify_steps = 0
+        self.accepted_draft_tokens = 0
+        self.proposed_draft_tokens = 0
+        self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
+        self._stops = StopStringMatcher(params.stop) if params.detokenize and params.stop else None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.committed) - self.prompt_len
+
+    def record_step(self, num_accepted: int, num_proposed: int) -> None:
+        self.verify_steps += 1
+        self.accepted_draft_tokens += num_accepted
+        self.proposed_draft_tokens += num_proposed
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_output,
+                     verify_steps=self.verify_steps, accepted_draft_tokens=self.accepted_draft_tokens,
+                     proposed_draft_tokens=self.proposed_draft_tokens)
+
+    def commit(self, token_ids: list[int], finish: FinishReason | None) -> None:
+        """Append tokens the target accepted and stream them; apply stop strings."""
+        if self.finished:
+            return
+        self.committed.extend(token_ids)
+        text, matched = "", None
+        if self._detok is not None:
+            text = self._detok.push(token_ids)
+            if self._stops is not None:
+                text, matched = self._stops.push(text)
+                if matched is not None:
+                    finish = FinishReason.STOP
+                elif finish is not None:
+                    text += self._stops.flush()
+            if finish is not None and matched is None:
+                text += self._detok.flush() if self._stops is None else ""
+        if finish is None:
+            if token_ids or text:
+                self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text))
+            return
+        self.finished = True
+        self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text, finish_reason=finish,
+                                            usage=self.usage(), matched_stop=matched))
+
+    def finish(self, reason: FinishReason) -> None:
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(GenerateChunk(token_ids=[], finish_reason=reason, usage=self.usage()))
+
+    def fail(self, error: Exception) -> None:
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(error)

@@ -1,0 +1,95 @@
+"""Command-line flags, named as SGLang names them, grouped by the service that consumes them.
+
+`resolve_spec` applies SGLang's auto-defaults and validation to the (steps, topk, num_draft_tokens) triple once, in
+the launcher, so every process receives explicit values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny-code"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-tiny-code-draft"
+ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+
+
+def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
+    p.add_argument("--model-path", default=None,
+                   help=f"HF checkpoint folder of the target model (default: the bundled {DEFAULT_MODEL.name})")
+    p.add_argument("--device", default="cpu", help="torch device of the model services, e.g. cpu or cuda:0")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight/activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the configured shape (benchmarks)")
+    p.add_argument("--attention-backend", default="torch", help="attention backend of the target (torch)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache capacity in tokens per model service (default: sized for the device)")
+    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block (page size)")
+    p.add_argument("--random-seed", type=int, default=0, help="seed for dummy weights")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=[*ALGORITHMS, None],
+                   help="STANDALONE (small draft LLM) or NGRAM (n-gram trie); unset = plain decoding")
+    g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
+                   default=None, help="draft model folder for STANDALONE (default: the bundled tiny draft)")
+    g.add_argument("--speculative-draft-load-format", default=None, choices=["auto", "safetensors", "dummy"],
+                   help="load format of the draft model (default: --load-format)")
+    g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
+    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tree size verified per step, root included")
+    g.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: min BFS breadth")
+    g.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM: max BFS breadth")
+    g.add_argument("--speculative-ngram-match-type", default="BFS", choices=["BFS", "PROB"],
+                   help="NGRAM: BFS (recency) or PROB (frequency) tree construction")
+    g.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18, help="NGRAM: max trie depth")
+    g.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie node capacity")
+
+
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1", help="address of the OpenAI REST front and gRPC Generate")
+    g.add_argument("--port", type=int, default=30000, help="HTTP port of the OpenAI-compatible REST front")
+    g.add_argument("--grpc-port", type=int, default=30001, help="port of the public gRPC Generate API")
+    g.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
+    g.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: --model-path)")
+    g.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
+    g.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
+
+
+def model_path(args: argparse.Namespace) -> str:
+    return str(args.model_path or DEFAULT_MODEL)
+
+
+def read_architecture(path: str) -> str:
+    config = Path(path) / "config.json"
+    if not config.exists():
+        raise SystemExit(f"error: {path} has no config.json (is it an HF checkpoint folder?)")
+    archs = json.loads(config.read_text()).get("architectures") or ["?"]
+    return archs[0]
+
+
+def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """(algorithm, num_steps, topk, num_draft_tokens) after SGLang's auto-defaults and checks."""
+    algorithm = args.speculative_algorithm or "NONE"
+    if algorithm == "NONE":
+        if any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
+                                       args.speculative_num_draft_tokens)):
+            raise SystemExit("error: --speculative-num-steps/-eagle-topk/-num-draft-tokens need "
+                             "--speculative-algorithm")
+        return "NONE", 0, 1, 1
+    from runtime.speculative.tree import auto_speculative_params
+
+    try:
+        steps, topk, ndt = auto_speculative_params(
+            algorithm, read_architecture(model_path(args)), args.speculative_num_steps,
+            args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+            ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return algorithm, steps, topk, ndt

@@ -1,0 +1,76 @@
+"""`tandem` command line: `serve` (all three services as separate processes), or one service each for compose/k8s.
+
+    tandem serve [--model-path DIR] [--speculative-algorithm STANDALONE|NGRAM ...] --port 30000 --grpc-port 30001
+    tandem target  --model-path DIR --service-port 30010
+    tandem draft   --speculative-algorithm STANDALONE --speculative-draft-model-path DIR --service-port 30020
+    tandem gateway --target-address HOST:PORT [--draft-address HOST:PORT] --port 30000 --grpc-port 30001
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tandem.args import add_gateway_args, add_model_args, add_spec_args, resolve_spec
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+
+
+def _service_addr(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--service-host", default="127.0.0.1", help="address the gRPC service binds")
+    p.add_argument("--service-port", type=int, default=port, help="gRPC port of the service (0 = any free port)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Speculative decoding as microservices.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start target, draft and gateway as separate processes on this machine")
+    add_model_args(serve)
+    add_spec_args(serve)
+    add_gateway_args(serve)
+    serve.add_argument("--target-port", type=int, default=0, help="gRPC port of the target (0 = pick a free one)")
+    serve.add_argument("--draft-port", type=int, default=0, help="gRPC port of the draft (0 = pick a free one)")
+    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
+    _common(serve)
+
+    target = sub.add_parser("target", help="run the target service")
+    add_model_args(target)
+    _service_addr(target, 30010)
+    _common(target)
+
+    draft = sub.add_parser("draft", help="run the draft service")
+    add_model_args(draft)
+    add_spec_args(draft)
+    _service_addr(draft, 30020)
+    _common(draft)
+
+    gateway = sub.add_parser("gateway", help="run the gateway (speculative loop, OpenAI REST, gRPC Generate)")
+    add_model_args(gateway)
+    add_spec_args(gateway)
+    add_gateway_args(gateway)
+    gateway.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
+    gateway.add_argument("--draft-address", default=None, help="HOST:PORT of the draft service")
+    gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
+    _common(gateway)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command in ("serve", "draft", "gateway"):
+        (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
+         args.speculative_num_draft_tokens) = resolve_spec(args)
+    if args.command == "serve":
+        from tandem.launch import serve
+
+        sys.exit(serve(args))
+    from tandem import services
+
+    fn = {"target": services.run_target, "draft": services.run_draft, "gateway": services.run_gateway}
+    services.main_async(fn[args.command], args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`tandem serve`: start target, draft and gateway as child processes, forward Ctrl-C, stop them all cleanly.
+
+Each child is the same `tandem <service>` command a compose file or a Kubernetes pod would run, with explicit
+ports and the already-resolved speculative parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tandem.args import model_path
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model-path", model_path(args), "--device", args.device, "--dtype", args.dtype,
+             "--load-format", args.load_format, "--attention-backend", args.attention_backend,
+             "--kv-block-size", str(args.kv_block_size), "--random-seed", str(args.random_seed),
+             "--log-level", args.log_level]
+    if args.max_total_tokens:
+        flags += ["--max-total-tokens", str(args.max_total_tokens)]
+    return flags
+
+
+def _spec_flags(args: argparse.Namespace) -> list[str]:
+    if args.speculative_algorithm == "NONE":
+        return []
+    flags = ["--speculative-algorithm", args.speculative_algorithm,
+             "--speculative-num-steps", str(args.speculative_num_steps),
+             "--speculative-eagle-topk", str(args.speculative_eagle_topk),
+             "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
+             "--speculative-ngram-min-bfs-breadth", str(args.speculative_ngram_min_bfs_breadth),
+             "--speculative-ngram-max-bfs-breadth", str(args.speculative_ngram_max_bfs_breadth),
+             "--speculative-ngram-match-type", args.speculative_ngram_match_type,
+             "--speculative-ngram-max-trie-depth", str(args.speculative_ngram_max_trie_depth),
+             "--speculative-ngram-capacity", str(args.speculative_ngram_capacity)]
+    if args.speculative_draft_model_path:
+        flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+    if args.speculative_draft_load_format:
+        flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
+    return flags
+
+
+def commands(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The child command lines, by service name."""
+    base = [sys.executable, "-m", "tandem.cli"]
+    host = "127.0.0.1"
+    target_port = args.target_port or _free_port(host)
+    cmds = {"target": [*base, "target", *_model_flags(args), "--service-host", host,
+                       "--service-port", str(target_port)]}
+    gateway = [*base, "gateway", *_model_flags(args), *_spec_flags(args), "--target-address", f"{host}:{target_port}",
+               "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
+               "--max-running-requests", str(args.max_running_requests),
+               "--max-queued-requests", str(args.max_queued_requests),
+               "--request-timeout", str(args.request_timeout), "--startup-timeout", str(args.startup_timeout)]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    if args.tokenizer_path:
+        gateway += ["--tokenizer-path", args.tokenizer_path]
+    if args.speculative_algorithm != "NONE":
+        draft_port = args.draft_port or _free_port(host)
+        cmds["draft"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
+                         "--service-port", str(draft_port)]
+        gateway += ["--draft-address", f"{host}:{draft_port}"]
+    cmds["gateway"] = gateway
+    return cmds
+
+
+def serve(args: argparse.Namespace) -> int:
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        for name, cmd in commands(args).items():
+            procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        while not stopping:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    print(f"tandem serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
+                    return proc.returncode or 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        for proc in procs.values():  # gateway first would be nicer, but all get SIGTERM and a deadline
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)

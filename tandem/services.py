@@ -1,0 +1,140 @@
+"""Entry points of the three services: build each from parsed flags and serve until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+from tandem.args import DEFAULT_DRAFT, model_path
+
+logger = logging.getLogger("tandem")
+
+
+def _engine_config(args: argparse.Namespace, load_format: str | None = None):
+    from runtime.config import EngineConfig
+
+    kwargs = dict(device=args.device, dtype=args.dtype, load_format=load_format or args.load_format,
+                  attention_backend=args.attention_backend, block_size=args.kv_block_size, seed=args.random_seed)
+    if args.max_total_tokens:
+        kwargs["max_total_tokens"] = args.max_total_tokens
+    return EngineConfig(**kwargs)
+
+
+async def _serve_until_signal(server) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+
+
+async def run_target(args: argparse.Namespace) -> None:
+    from runtime.model_runner import ModelRunner
+    from target_service.engine import TargetEngine
+    from target_service.server import serve_target
+
+    path = model_path(args)
+    runner = ModelRunner(None if args.load_format == "dummy" and not Path(path).exists() else path,
+                         _engine_config(args))
+    server, port = await serve_target(TargetEngine(runner), path, args.service_host, args.service_port)
+    print(f"tandem target ready on {args.service_host}:{port}", flush=True)
+    await _serve_until_signal(server)
+
+
+def build_proposer(args: argparse.Namespace):
+    algorithm = args.speculative_algorithm
+    if algorithm == "NGRAM":
+        from draft_service.ngram import NgramConfig
+        from draft_service.ngram_draft import NgramDraft
+
+        return NgramDraft(NgramConfig(
+            min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+            match_type=args.speculative_ngram_match_type, max_trie_depth=args.speculative_ngram_max_trie_depth,
+            capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens)), "ngram"
+    if algorithm == "STANDALONE":
+        from draft_service.standalone import StandaloneProposer
+        from runtime.model_runner import ModelRunner
+
+        path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
+        runner = ModelRunner(path, _engine_config(args, args.speculative_draft_load_format))
+        return StandaloneProposer(runner), path
+    raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
+
+
+async def run_draft(args: argparse.Namespace) -> None:
+    from draft_service.server import serve_draft
+
+    proposer, path = build_proposer(args)
+    server, port = await serve_draft(proposer, path, args.service_host, args.service_port)
+    print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port}", flush=True)
+    await _serve_until_signal(server)
+
+
+async def _wait_for_pod(client, name: str, deadline_s: float):
+    from gateway.clients import PodUnavailable
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return await client.info(timeout_s=5.0)
+        except PodUnavailable as exc:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: {name} at {client.address} did not come up: {exc}") from None
+            await asyncio.sleep(0.5)
+
+
+async def run_gateway(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from gateway.clients import DraftClient, TargetClient
+    from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
+    from gateway.openai_api import build_app
+    from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
+    from gateway.tokenizer import Tokenizer
+
+    path = model_path(args)
+    target = TargetClient(args.target_address)
+    draft = DraftClient(args.draft_address) if args.draft_address else None
+    info = await _wait_for_pod(target, "target", args.startup_timeout)
+    if draft is not None:
+        await _wait_for_pod(draft, "draft", args.startup_timeout)
+    tokenizer = Tokenizer(args.tokenizer_path or path)
+    name = args.served_model_name or Path(path).name
+    spec = SpecConfig(args.speculative_algorithm or "NONE", args.speculative_num_steps or 0,
+                      args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or 1)
+    eos = sorted({*info.eos_token_ids, *tokenizer.eos_token_ids})
+    scheduler = Scheduler(target=target, draft=draft, tokenizer=tokenizer, model_name=name,
+                          max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
+                          spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
+                                                            args.request_timeout))
+    await scheduler.start()
+    gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
+                        num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
+                        target_addresses=[args.target_address],
+                        draft_addresses=[args.draft_address] if args.draft_address else [])
+    grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
+                                           args.grpc_port)
+    app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+    http = uvicorn.Server(config)
+    print(f"tandem gateway ready: http://{args.host}:{args.port}/v1 grpc {args.host}:{args.grpc_port} "
+          f"model={name} speculative={spec.algorithm}", flush=True)
+    try:
+        await http.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+    finally:
+        await grpc_server.stop(grace=1.0)
+        await scheduler.close()
+
+
+def main_async(fn, args: argparse.Namespace) -> None:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(fn(args))
+    except KeyboardInterrupt:
+        pass

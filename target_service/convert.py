@@ -1,0 +1,45 @@
+"""Wire ↔ engine conversion for the target service (the only place besides the servicer that sees *_pb2)."""
+from __future__ import annotations
+
+from protos.tandem.v1 import tandem_pb2 as pb
+from runtime.sampling import SamplingParams
+from runtime.speculative.tree import DraftTree
+from target_service.engine import PrefillInput, StepOutput, StopRule, VerifyInput
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    top_k = msg.top_k if msg.top_k > 0 else -1
+    top_p = msg.top_p if 0.0 < msg.top_p <= 1.0 else 1.0
+    seed = msg.seed if msg.HasField("seed") else None
+    return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+
+def stop_from_pb(msg: pb.StopParams) -> StopRule:
+    return StopRule(max_new_tokens=msg.max_new_tokens, stop_token_ids=frozenset(msg.stop_token_ids),
+                    ignore_eos=msg.ignore_eos, prompt_len=msg.prompt_len)
+
+
+def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
+    return DraftTree(list(msg.token_ids), list(msg.parents))
+
+
+def prefill_inputs(request: pb.TargetPrefillRequest) -> list[PrefillInput]:
+    return [PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
+                         sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop)) for s in request.seqs]
+
+
+def verify_inputs(request: pb.VerifyRequest) -> list[VerifyInput]:
+    return [VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
+                        tree=tree_from_pb(s.tree), sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop))
+            for s in request.seqs]
+
+
+def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
+    return pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
+                                  finish_reason=int(out.finish), error=out.error)
+
+
+def verify_result(out: StepOutput) -> pb.VerifyResult:
+    return pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
+                           num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
+                           finish_reason=int(out.finish), error=out.error)

@@ -1,0 +1,264 @@
+"""TargetEngine: the target model's sequences, batched prefill and tree verification, stop checks, release.
+
+Owns per-sequence committed tokens (a mirror of the gateway's list, used to check `committed_len`), sampling
+generators and the KV held by the ModelRunner. Knows nothing about gRPC: the servicer converts wire messages into
+the dataclasses below. Invariant per sequence: KV holds `len(token_ids) - 1` tokens; the last committed token is the
+pending root of the next verify.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kv_cache import OutOfKVBlocks
+from runtime.model_runner import ModelRunner, SeqForward
+from runtime.sampling import SamplingParams, process_logits
+from runtime.speculative.tree import DraftTree
+from runtime.speculative.verify import verify_greedy, verify_tree_sampling
+
+
+class Status(enum.IntEnum):  # values equal tandem.v1.SeqStatus
+    OK = 0
+    STALE = 1
+    OUT_OF_MEMORY = 2
+    INVALID = 3
+
+
+class Finish(enum.IntEnum):  # values equal tandem.v1.FinishReason
+    NONE = 0
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+
+@dataclass
+class StopRule:
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    prompt_len: int = 0
+
+
+@dataclass
+class PrefillInput:
+    seq_id: str
+    token_ids: list[int]
+    sample_next_token: bool
+    sampling: SamplingParams
+    stop: StopRule
+
+
+@dataclass
+class VerifyInput:
+    seq_id: str
+    committed_len: int
+    root_token_id: int
+    tree: DraftTree
+    sampling: SamplingParams
+    stop: StopRule
+
+
+@dataclass
+class StepOutput:
+    seq_id: str
+    status: Status = Status.OK
+    token_ids: list[int] = field(default_factory=list)
+    num_accepted_drafts: int = 0
+    num_draft_tokens: int = 0
+    finish: Finish = Finish.NONE
+    error: str = ""
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int]  # committed tokens; KV holds all but the last
+    sampling: SamplingParams
+    stop: StopRule
+    generator: torch.Generator | None
+
+
+class TargetEngine:
+    """Batched prefill/verify over many sequences with one model forward per call."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.device = runner.device
+        self.max_context_len = runner.model_config.max_position_embeddings
+        self._seqs: dict[str, _Seq] = {}
+        self.last_forward_ms = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+    def prefill(self, inputs: list[PrefillInput]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        forwards: list[tuple[PrefillInput, SeqForward]] = []
+        budget = self.runner.num_free_tokens()
+        for inp in inputs:
+            if inp.seq_id in self._seqs:  # re-sync: start over from the gateway's committed list
+                self.release([inp.seq_id])
+                budget = self.runner.num_free_tokens()
+            out = StepOutput(inp.seq_id)
+            outputs.append(out)
+            error = self._check_prefill(inp)
+            if error:
+                out.status, out.error = Status.INVALID, error
+                continue
+            kv_tokens = inp.token_ids if inp.sample_next_token else inp.token_ids[:-1]
+            need = self._tokens_needed(len(kv_tokens))
+            if need > budget:
+                out.status, out.error = Status.OUT_OF_MEMORY, f"needs {need} KV slots, {budget} free"
+                continue
+            budget -= need
+            self._seqs[inp.seq_id] = _Seq(list(inp.token_ids), inp.sampling, inp.stop, self._generator(inp.sampling))
+            self.runner.add_seq(inp.seq_id)
+            if kv_tokens:
+                logits = "last" if inp.sample_next_token else "none"
+                forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
+        logits = self._forward([f for _, f in forwards], outputs)
+        by_id = {o.seq_id: o for o in outputs}
+        for (inp, _), rows in zip(forwards, logits):
+            if not inp.sample_next_token or rows is None:
+                continue
+            seq = self._seqs[inp.seq_id]
+            token = self._sample_rows(rows, seq)[-1]
+            self._commit(by_id[inp.seq_id], seq, [token])
+        return outputs
+
+    def verify(self, inputs: list[VerifyInput]) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        forwards: list[tuple[VerifyInput, SeqForward]] = []
+        budget = self.runner.num_free_tokens()
+        for inp in inputs:
+            out = StepOutput(inp.seq_id, num_draft_tokens=len(inp.tree.token_ids))
+            outputs.append(out)
+            seq = self._seqs.get(inp.seq_id)
+            if seq is None or not self._sync(inp, seq):
+                out.status, out.error = Status.STALE, "unknown sequence or committed_len mismatch"
+                continue
+            try:
+                inp.tree.validate()
+            except ValueError as exc:
+                out.status, out.error = Status.INVALID, f"bad draft tree: {exc}"
+                continue
+            n = len(inp.tree.token_ids) + 1
+            need = self._tokens_needed(n)
+            if need > budget:
+                out.status, out.error = Status.OUT_OF_MEMORY, f"tree of {n} needs {need} KV slots, {budget} free"
+                continue
+            budget -= need
+            kv_len = len(seq.token_ids) - 1
+            # Region node 0 is the root (the pending bonus token); draft node i is region node i + 1.
+            parents = [-1] + [p + 1 for p in inp.tree.parents]
+            depths = [0] + [d + 1 for d in inp.tree.depths()]
+            forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
+                                             positions=[kv_len + d for d in depths], parents=parents, logits="all")))
+        logits = self._forward([f for _, f in forwards], outputs)
+        by_id = {o.seq_id: o for o in outputs}
+        for (inp, _), rows in zip(forwards, logits):
+            if rows is None:
+                continue
+            seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
+            outcome = self._accept(inp.tree, rows, seq)
+            self.runner.compact(inp.seq_id, [0] + [i + 1 for i in outcome.accepted_nodes])
+            out.num_accepted_drafts = outcome.num_accepted_drafts
+            self._commit(out, seq, outcome.tokens)
+        return outputs
+
+    def release(self, seq_ids: list[str]) -> int:
+        released = 0
+        for seq_id in seq_ids:
+            if self._seqs.pop(seq_id, None) is not None:
+                released += 1
+            if self.runner.has_seq(seq_id):
+                self.runner.free_seq(seq_id)
+        return released
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    # ---------------------------------------------------------------- helpers
+    def _check_prefill(self, inp: PrefillInput) -> str:
+        if not inp.token_ids:
+            return "empty prompt"
+        vocab = self.runner.model_config.vocab_size
+        if max(inp.token_ids) >= vocab:
+            return f"token id {max(inp.token_ids)} outside the vocabulary ({vocab})"
+        if len(inp.token_ids) >= self.max_context_len:
+            return f"{len(inp.token_ids)} tokens exceed the context length {self.max_context_len}"
+        return ""
+
+    def _tokens_needed(self, n: int) -> int:
+        # A new block may be opened for every sequence; count whole blocks so the pre-check never under-estimates.
+        bs = self.runner.block_size
+        return (n + bs - 1) // bs * bs + bs
+
+    def _sync(self, inp: VerifyInput, seq: _Seq) -> bool:
+        """Apply the versioning rule: roll back to a shorter committed_len, refuse a longer one."""
+        if inp.committed_len > len(seq.token_ids) or inp.committed_len < 1:
+            return False
+        if inp.committed_len < len(seq.token_ids):
+            del seq.token_ids[inp.committed_len:]
+            self.runner.truncate(inp.seq_id, inp.committed_len - 1)
+        return seq.token_ids[-1] == inp.root_token_id
+
+    def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput]) -> list[torch.Tensor | None]:
+        if not forwards:
+            return []
+        start = time.perf_counter()
+        try:
+            result = self.runner.forward(forwards)
+        except OutOfKVBlocks as exc:  # the pre-check should make this unreachable; fail the batch cleanly
+            by_id = {o.seq_id: o for o in outputs}
+            for f in forwards:
+                by_id[f.seq_id].status, by_id[f.seq_id].error = Status.OUT_OF_MEMORY, str(exc)
+                self.release([f.seq_id])
+            return [None] * len(forwards)
+        self.last_forward_ms = (time.perf_counter() - start) * 1e3
+        return list(result.logits)
+
+    def _sample_rows(self, rows: torch.Tensor, seq: _Seq) -> list[int]:
+        """Sample one token per logits row with exactly the processing used in verification."""
+        if seq.sampling.is_greedy:
+            return rows.argmax(dim=-1).tolist()
+        probs = process_logits(rows.float(), seq.sampling)  # (rows, vocab)
+        return torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1).tolist()
+
+    def _accept(self, tree: DraftTree, rows: torch.Tensor, seq: _Seq):
+        # rows: (num_nodes + 1, vocab); row 0 predicts the token after the root, row i+1 the token after node i.
+        if seq.sampling.is_greedy:
+            return verify_greedy(tree, rows.argmax(dim=-1))
+        return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)
+
+    def _commit(self, out: StepOutput, seq: _Seq, tokens: list[int]) -> None:
+        """Append emitted tokens, cutting the run at the first stop token / length limit."""
+        stop = seq.stop
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            generated = len(seq.token_ids) + len(kept) - stop.prompt_len
+            if token in stop.stop_token_ids and not stop.ignore_eos:
+                out.finish = Finish.STOP
+                break
+            if generated >= stop.max_new_tokens or len(seq.token_ids) + len(kept) >= self.max_context_len:
+                out.finish = Finish.LENGTH
+                break
+        if len(kept) < len(tokens):  # accepted drafts past the stop are not committed
+            out.num_accepted_drafts = min(out.num_accepted_drafts, len(kept))
+        seq.token_ids.extend(kept)
+        out.token_ids = kept
+        if out.finish != Finish.NONE:
+            # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
+            self.release([out.seq_id])
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        if sampling.is_greedy:
+            return None
+        gen = torch.Generator(device=self.device)
+        if sampling.seed is not None:
+            gen.manual_seed(sampling.seed)
+        else:
+            gen.seed()
+        return gen

@@ -1,0 +1,82 @@
+"""gRPC servicer of the target service: decodes step RPCs, runs the TargetEngine off the event loop, encodes results.
+
+Model work runs on one worker thread (calls are serialised: one batched forward at a time) so the event loop stays
+free for health checks and new calls. Input errors become INVALID_ARGUMENT; nothing here holds state of its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from protos.tandem.v1 import tandem_pb2 as pb
+from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
+from protos.wire import PROTOCOL, start_server
+from target_service import convert
+from target_service.engine import TargetEngine
+
+logger = logging.getLogger(__name__)
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    def __init__(self, engine: TargetEngine, model_path: str):
+        self.engine = engine
+        self.model_path = model_path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _memory(self) -> pb.MemoryState:
+        runner = self.engine.runner
+        return pb.MemoryState(free_kv_tokens=runner.num_free_tokens(), total_kv_tokens=runner.num_total_tokens(),
+                              num_seqs=self.engine.num_seqs)
+
+    async def Prefill(self, request: pb.TargetPrefillRequest, context) -> pb.TargetPrefillResponse:
+        start = time.perf_counter()
+        try:
+            inputs = convert.prefill_inputs(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs = await self._run(self.engine.prefill, inputs)
+        return pb.TargetPrefillResponse(
+            results=[convert.prefill_result(o) for o in outputs], memory=self._memory(),
+            timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
+                                   total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        start = time.perf_counter()
+        try:
+            inputs = convert.verify_inputs(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        outputs = await self._run(self.engine.verify, inputs)
+        return pb.VerifyResponse(
+            results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
+            timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
+                                   total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        released = await self._run(self.engine.release, list(request.seq_ids))
+        return pb.ReleaseResponse(num_released=released, memory=self._memory())
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
+        cfg = self.engine.runner.model_config
+        return pb.ModelInfo(
+            model_path=self.model_path, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            max_context_len=self.engine.max_context_len, eos_token_ids=list(cfg.eos_token_ids),
+            memory=self._memory(), device=str(self.engine.device), dtype=str(self.engine.runner.dtype),
+            protocol=PROTOCOL, hidden_size=cfg.hidden_size)
+
+
+async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int):
+    """Start the target gRPC server; returns (server, bound_port)."""
+    servicer = TargetServicer(engine, model_path)
+    server, bound, _ = await start_server(
+        lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
+        [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port)
+    logger.info("target service listening on %s:%d", host, bound)
+    return server, bound
