@@ -1,0 +1,101 @@
+"""Test helpers: run the real target/draft gRPC servers in-process on port 0 and a real Scheduler over them.
+
+Used by the lossless tests (greedy output vs HF generate) so that the whole step path — convert, servicer, engine,
+proposer, scheduler, clients — is exercised without the cost of process start-up. The e2e tests start real processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gateway.clients import DraftClient, TargetClient
+from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
+from gateway.types import GenerateParams, RequestSampling
+
+
+def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
+    """A draft that agrees with the target most of the time: the same weights plus Gaussian noise."""
+    dst.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(str(f))
+            noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+                     for k, v in tensors.items()}
+            save_file(noisy, str(dst / f.name), metadata={"format": "pt"})
+        elif f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+@contextlib.asynccontextmanager
+async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path: Path | None = None,
+                      num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
+                      ngram_kwargs: dict | None = None, max_total_tokens: int = 8192):
+    """Yields a started Scheduler wired to in-process gRPC target (and draft) servers."""
+    from draft_service.server import serve_draft
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from target_service.engine import TargetEngine
+    from target_service.server import serve_target
+
+    engine_config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=max_total_tokens)
+    target_runner = ModelRunner(str(target_path), engine_config)
+    servers = []
+    server, port = await serve_target(TargetEngine(target_runner), str(target_path), "127.0.0.1", 0)
+    servers.append(server)
+    target = TargetClient(f"127.0.0.1:{port}")
+    draft = None
+    proposer = None
+    if algorithm == "STANDALONE":
+        from draft_service.standalone import StandaloneProposer
+
+        proposer = StandaloneProposer(ModelRunner(str(draft_path), engine_config))
+    elif algorithm == "NGRAM":
+        from draft_service.ngram import NgramConfig
+        from draft_service.ngram_draft import NgramDraft
+
+        proposer = NgramDraft(NgramConfig(num_draft_tokens=num_draft_tokens, **(ngram_kwargs or {})))
+    if proposer is not None:
+        server, port = await serve_draft(proposer, str(draft_path or ""), "127.0.0.1", 0)
+        servers.append(server)
+        draft = DraftClient(f"127.0.0.1:{port}")
+    info = await target.info()
+    scheduler = Scheduler(target=target, draft=draft, tokenizer=None, model_name="tiny",
+                          max_context_len=info.max_context_len, vocab_size=info.vocab_size,
+                          eos_token_ids=list(eos_token_ids),
+                          spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
+                          config=SchedulerConfig(max_running_requests=16, request_timeout_s=120))
+    await scheduler.start()
+    scheduler.test_target_runner = target_runner  # for KV-leak assertions
+    scheduler.test_proposer = proposer
+    try:
+        yield scheduler
+    finally:
+        await scheduler.close()
+        for s in servers:
+            await s.stop(grace=None)
+        await target.close()
+        if draft:
+            await draft.close()
+
+
+async def generate_ids(scheduler: Scheduler, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                       seed: int | None = None, request_id: str = "r") -> tuple[list[int], object]:
+    """Run one request to completion; returns (output ids, final usage)."""
+    params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
+                            sampling=RequestSampling(temperature=temperature, seed=seed), detokenize=False)
+    out, usage, finish = [], None, None
+    async for chunk in scheduler.generate(params):
+        out.extend(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            usage, finish = chunk.usage, chunk.finish_reason
+    return out, usage, finish
