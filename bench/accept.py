@@ -1,0 +1,148 @@
+"""Acceptance and speed per speculative algorithm through the real stack (three processes, gRPC Generate).
+
+For each configuration: start `tandem serve`, send held-out code prompts one at a time (batch 1, greedy unless
+--temperature), and record mean accept length (tokens per target step, bonus included), draft acceptance rate and
+output tokens/s. Prints JSON and a markdown table, and saves a PNG bar chart when matplotlib is available.
+
+    python bench/accept.py --num-prompts 8 --max-new-tokens 64 --out bench/results/accept_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
+from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
+from tandem.args import DEFAULT_MODEL  # noqa: E402
+
+CONFIGS = {
+    "AR": [],
+    "NGRAM": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"],
+    "STANDALONE-chain": ["--speculative-algorithm", "STANDALONE"],
+    "STANDALONE-tree": ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "4",
+                        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"],
+}
+
+
+def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str]:
+    """Beginnings of held-out standard-library files (never seen in training)."""
+    listing = model_dir / "heldout_files.txt"
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = listing.read_text().split() if listing.exists() else []
+    prompts = []
+    for name in names:
+        path = stdlib / name
+        if path.exists():
+            text = path.read_text(errors="replace")
+            if len(text) > prompt_chars * 2:
+                start = len(text) // 3
+                prompts.append(text[start:start + prompt_chars])
+        if len(prompts) == n:
+            break
+    return prompts or ["def main():\n    "] * n
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(name: str, flags: list[str], prompts: list[str], args) -> dict:
+    http, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
+           "--log-level", "warning", *flags, *args.extra]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        grpc.channel_ready_future(channel).result(timeout=300)
+        stub = pb_grpc.GatewayStub(channel)
+        stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
+        stub_generate(stub, prompts[0], 8, args)  # warm-up
+        tokens = steps = accepted = proposed = 0
+        start = time.perf_counter()
+        for prompt in prompts:
+            usage = stub_generate(stub, prompt, args.max_new_tokens, args)
+            tokens += usage.completion_tokens
+            steps += usage.verify_steps + 1
+            accepted += usage.accepted_draft_tokens
+            proposed += usage.proposed_draft_tokens
+        elapsed = time.perf_counter() - start
+        channel.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
+            "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
+            "tokens_per_s": tokens / elapsed, "seconds": elapsed}
+
+
+def stub_generate(stub, prompt: str, max_new_tokens: int, args) -> pb.GenerateUsage:
+    request = pb.GenerateRequest(text=prompt, max_new_tokens=max_new_tokens, temperature=args.temperature,
+                                 ignore_eos=True)
+    if args.temperature > 0:
+        request.seed = 1
+    last = None
+    for last in stub.Generate(request, timeout=600):
+        pass
+    return last.usage
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-chars", type=int, default=400)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--out", default=None, help="JSON output path (a .png with the same stem is written too)")
+    p.add_argument("extra", nargs="*", help="extra flags for tandem serve (after --)")
+    args = p.parse_args()
+    prompts = heldout_prompts(DEFAULT_MODEL, args.num_prompts, args.prompt_chars)
+    results = [run_config(name, CONFIGS[name], prompts, args) for name in args.configs]
+    base = next((r["tokens_per_s"] for r in results if r["config"] == "AR"), None)
+    for r in results:
+        r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None
+    print(json.dumps(results, indent=2))
+    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR |\n|---|---|---|---|---|")
+    for r in results:
+        speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        print(f"| {r['config']} | {r['mean_accept_length']:.2f} | {r['accept_rate']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {speedup} |")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+            names = [r["config"] for r in results]
+            ax[0].bar(names, [r["mean_accept_length"] for r in results])
+            ax[0].set_title("mean accept length")
+            ax[1].bar(names, [r["tokens_per_s"] for r in results])
+            ax[1].set_title("tokens/s (batch 1)")
+            for a in ax:
+                a.tick_params(axis="x", rotation=30)
+            fig.tight_layout()
+            fig.savefig(out.with_suffix(".png"))
+        except ImportError:
+            print("matplotlib not installed: no plot", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
