@@ -1,0 +1,195 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache, with fused qkv and gate_up
+projections. Numerics follow HF transformers (fp32 RMSNorm, rotate-half RoPE) so its logits are the test oracle.
+
+Owns the weights and the math; the attention backend owns the KV layout and masks, the loader owns weight files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention import AttentionBackend
+from runtime.config import ModelConfig
+from runtime.kv_pool import KVPool
+from runtime.models import register_model
+
+
+@dataclass
+class ModelOutput:
+    hidden: torch.Tensor  # (N, H): final-norm hidden states
+    aux_hidden: torch.Tensor | None = None  # (N, len(capture_layers) * H): residual stream at those layers' inputs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        # fp32 statistics as HF does; in bf16 the mean of squares loses too much.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin for explicit positions. inv_freq stays a plain fp32 tensor (not a buffer) so meta-device construction
+    and dtype casts of the module never touch it."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        # Models are built under meta-device / low-precision defaults (see loader); inv_freq must be real fp32.
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            with torch.device("cpu"):
+                self.inv_freq, self.attention_scaling = compute_inv_freq(config)  # (hd/2,)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        self._cache: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._cache.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._cache[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # (N, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (N, hd)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, hd): broadcast over heads
+
+
+def compute_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,) fp32, attention scaling) for the config's RoPE type."""
+    if config.rope_type == "default":
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+        return 1.0 / (config.rope_theta**exponents), 1.0
+    # Scaled variants: reuse transformers' reference formulas rather than re-deriving llama3/yarn/linear here.
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={**config.rope_scaling, "rope_theta": config.rope_theta},
+    )
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (N, H)
+        cos: torch.Tensor,  # (N, 1, hd)
+        sin: torch.Tensor,  # (N, 1, hd)
+        backend: AttentionBackend,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (N, nh, hd)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (N, kvh, hd)
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # (N, kvh, hd)
+        if self.q_norm is not None:
+            # Qwen3: per-head RMSNorm before RoPE.
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = backend.forward(self.layer_id, q, k, v, kv_pool)  # (N, nh * hd)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (N, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, backend, kv_pool) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, kv_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(config)
+
+    def tie_weights(self) -> None:
+        """Share lm_head with the embedding when the config says so; call again after `to_empty`, which unties."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,)
+        positions: torch.Tensor,  # (N,)
+        backend: AttentionBackend,  # already given this forward's ForwardBatch via init_forward_metadata
+        kv_pool: KVPool,
+        capture_layers: list[int] | None = None,
+    ) -> ModelOutput:
+        h = self.embed_tokens(input_ids)  # (N, H)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        captured: list[torch.Tensor] = []
+        capture = set(capture_layers or ())
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured.append(h)
+            h = layer(h, cos, sin, backend, kv_pool)
+        if len(self.layers) in capture:  # index num_layers = output of the last layer, before the final norm
+            captured.append(h)
+        aux = None
+        if capture_layers:
+            by_layer = dict(zip(sorted(capture), captured))
+            aux = torch.cat([by_layer[i] for i in capture_layers], dim=-1)  # (N, len(capture_layers) * H)
+        return ModelOutput(hidden=self.norm(h), aux_hidden=aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (rows, vocab)

@@ -1,0 +1,79 @@
+"""Tiny random HF checkpoints for tests: real `save_pretrained` folders (config.json + model.safetensors) that the
+real loader reads and HF transformers can run as the oracle. Weights are seeded and wide enough (std 0.2) that greedy
+outputs vary from step to step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A small transformers config of the given family; overrides go to the config constructor."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":  # GQA, untied
+        cfg = LlamaConfig(**{**common, "tie_word_embeddings": False, **overrides})
+    elif family == "mistral":
+        cfg = MistralConfig(**{**common, "tie_word_embeddings": False, "sliding_window": None, **overrides})
+    elif family == "qwen2":  # qkv bias, tied embeddings
+        cfg = Qwen2Config(**{**common, "tie_word_embeddings": True, "use_sliding_window": False, **overrides})
+    elif family == "qwen3":  # q/k norm, explicit head_dim different from hidden / heads
+        cfg = Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": False, **overrides})
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; known: {FAMILIES}")
+    return cfg
+
+
+def make_tiny_model(family: str, dir: str | os.PathLike, seed: int = 0, std: float = 0.2, **overrides: Any) -> str:
+    """Build, randomize and save a tiny HF model of `family` under `dir`/`family`; return the folder path."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)  # non-trivial norm scales, so a skipped norm shows up in tests
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * noise)
+            else:
+                param.copy_(std * noise)
+    path = os.path.join(os.fspath(dir), family)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_model(path: str):
+    """The HF oracle for a tiny checkpoint: fp32, eager attention, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """(len(token_ids), vocab) float32 logits of HF on one causal sequence."""
+    out = hf_model(torch.tensor([token_ids]))
+    return out.logits[0].float()
