@@ -20,6 +20,12 @@ SUPPORTED_ARCHITECTURES = (
 )
 # RoPE types whose inv_freq does not depend on the current sequence length; dynamic/longrope do, and need runtime
 # recomputation this engine does not do.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": ["LlamaForCausalLM"],
+    "mistral": ["MistralForCausalLM"],
+    "qwen2": ["Qwen2ForCausalLM"],
+    "qwen3": ["Qwen3ForCausalLM"],
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -85,7 +91,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, eos_token_ids: list[int] | None = None) -> ModelConfig:
-        archs = getattr(hf_config, "architectures", None) or []
+        # Configs built in code (not loaded) often lack `architectures`; model_type then names the family.
+        archs = getattr(hf_config, "architectures", None) or _ARCH_BY_MODEL_TYPE.get(hf_config.model_type, [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
