@@ -1,0 +1,287 @@
+"""Draft trees: the DraftTree carrier, the EAGLE/SGLang-style top-k beam tree builder, and the auto-defaults for
+(num_steps, topk, num_draft_tokens).
+
+A DraftTree holds only the draft nodes; the root (the last committed token, whose KV verify writes) is implicit and
+is node 0 wherever a root-inclusive view is built. Knows nothing about models or KV: the builder is handed
+log-probabilities and says which nodes must be forwarded next.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROOT = -1
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes in topological order. parents[i] is the index of node i's parent, ROOT (-1) for the root."""
+
+    token_ids: list[int]
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None  # (n, V): the distribution node i was sampled from, when it was sampled
+
+    @classmethod
+    def chain(cls, token_ids: list[int]) -> DraftTree:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError unless every parent precedes its child and the token ids / draft_probs are consistent."""
+        if len(self.parents) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token_ids but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}; parents must be -1 (root) or an earlier node")
+        for i, token in enumerate(self.token_ids):
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"node {i} has token id {token} outside [0, {vocab_size or 'vocab'})")
+        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != len(self)):
+            raise ValueError(f"draft_probs must be (num_nodes={len(self)}, V), got {tuple(self.draft_probs.shape)}")
+
+    def depths(self) -> list[int]:
+        """Per draft node, the number of draft ancestors: 0 for the root's children (their depth below the root is
+        depths()[i] + 1, the position offset after the root)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent == ROOT else depths[parent] + 1)
+        return depths
+
+    def children(self) -> dict[int, list[int]]:
+        """Child node indices in increasing node order, keyed by parent node index (ROOT for the root); every node
+        has an entry, empty for leaves. Node order is the sibling order verification tries."""
+        out: dict[int, list[int]] = {ROOT: [], **{i: [] for i in range(len(self))}}
+        for i, parent in enumerate(self.parents):
+            out[parent].append(i)
+        return out
+
+    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(n+1, n+1) bool, root = row/col 0 and node i = i+1: row m is True at m itself and all its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[0, 0] = True
+        for i, parent in enumerate(self.parents):
+            mask[i + 1] = mask[parent + 1]  # parents precede children, so the parent's row is already complete
+            mask[i + 1, i + 1] = True
+        return mask.to(device)
+
+
+@dataclass
+class StepNodes:
+    """The k beam nodes of one builder step, per sequence. If needs_forward, the caller runs them through the draft
+    model (attending to the prefix plus their region ancestors) and passes the log-probs to `next`."""
+
+    step: int
+    tokens: torch.Tensor  # (b, k) long
+    parents: torch.Tensor  # (b, k) long: region index of each node's parent, -1 = the root (last committed token)
+    needs_forward: bool
+
+    @property
+    def depth(self) -> int:
+        """Depth below the root (1 for the root's children); the nodes sit at position committed_len + depth - 1."""
+        return self.step + 1
+
+    @property
+    def region_indices(self) -> list[int]:
+        """Region index of each of the k nodes: the node forwarded at step i, beam rank r, is i*k + r."""
+        k = self.tokens.shape[1]
+        return list(range(self.step * k, self.step * k + k))
+
+
+@dataclass
+class _Level:
+    scores: torch.Tensor  # (b, c): cumulative log-prob of each candidate of this level (c = k, or k*k past level 1)
+    tokens: torch.Tensor  # (b, c)
+    parents: torch.Tensor  # (b, c): flat candidate index of the parent, -1 = root
+
+
+@dataclass
+class BeamTreeBuilder:
+    """Top-k tree expansion, batched over b sequences (SGLang select_top_k_tokens + organize_draft_results).
+
+    first() takes the draft's next-token log-probs after the root; each next() expands the k beam nodes into k
+    children each and keeps the best k of the k*k by cumulative log-prob (the sum of log-probs ranks exactly like
+    SGLang's product of probabilities). finalize() reranks every candidate and keeps num_draft_tokens - 1."""
+
+    batch_size: int
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    _levels: list[_Level] = field(default_factory=list, init=False, repr=False)
+    _beam_flat: torch.Tensor | None = field(default=None, init=False, repr=False)  # (b, k) flat candidate index
+    _beam_scores: torch.Tensor | None = field(default=None, init=False, repr=False)  # (b, k)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "num_steps", "topk", "num_draft_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        capacity = max_tree_candidates(self.num_steps, self.topk)
+        if self.num_draft_tokens - 1 > capacity:
+            raise ValueError(
+                f"num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the {capacity} candidates that "
+                f"num_steps={self.num_steps}, topk={self.topk} produce (topk + (num_steps - 1) * topk^2)"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        return sum(level.tokens.shape[1] for level in self._levels)
+
+    def first(self, logprobs: torch.Tensor) -> StepNodes:
+        """logprobs (b, V) after the root -> the k level-1 nodes (step 0)."""
+        if self._levels:
+            raise RuntimeError("first() was already called on this builder")
+        self._check_shape(logprobs, (self.batch_size, None))
+        scores, tokens = _safe(logprobs).topk(self.topk, dim=-1)  # (b, k) each; a full-vocab sort would be slow
+        parents = torch.full_like(tokens, -1)
+        self._levels.append(_Level(scores, tokens, parents))
+        self._beam_flat = torch.arange(self.topk, device=tokens.device).expand(self.batch_size, -1)
+        self._beam_scores = scores
+        return StepNodes(0, tokens, parents.clone(), needs_forward=self.num_steps > 1)
+
+    def next(self, logprobs: torch.Tensor) -> StepNodes:
+        """logprobs (b, k, V) of the k beam nodes of the previous step (in beam-rank order) -> the next k beam nodes."""
+        step = len(self._levels)
+        if step == 0:
+            raise RuntimeError("call first() before next()")
+        if step >= self.num_steps:
+            raise RuntimeError(f"all {self.num_steps} steps are already expanded; call finalize()")
+        b, k = self.batch_size, self.topk
+        self._check_shape(logprobs, (b, k, None))
+        child_scores, child_tokens = _safe(logprobs).topk(k, dim=-1)  # (b, k, k): k children per beam node
+        expanded = (self._beam_scores.unsqueeze(-1) + child_scores).flatten(1)  # (b, k*k), parent-major
+        offset = self.num_candidates
+        parents = self._beam_flat.repeat_interleave(k, dim=1)  # (b, k*k): flat index of each child's parent
+        self._levels.append(_Level(expanded, child_tokens.flatten(1), parents))
+
+        # NaN was mapped to -inf, so topk picks real scores first; ties go to the lower index (stable order).
+        best_scores, best = _stable_topk(expanded, k)  # (b, k) each
+        self._beam_flat = offset + best
+        self._beam_scores = best_scores
+        tokens = child_tokens.flatten(1).gather(1, best)  # (b, k)
+        parent_regions = (step - 1) * k + best // k  # the parent is beam rank best // k of the previous step
+        return StepNodes(step, tokens, parent_regions, needs_forward=step < self.num_steps - 1)
+
+    def finalize(self) -> list[DraftTree]:
+        """Pick the best num_draft_tokens - 1 candidates per sequence with ancestor closure, parents first."""
+        if not self._levels:
+            raise RuntimeError("call first() before finalize()")
+        scores = torch.cat([lv.scores for lv in self._levels], dim=1).tolist()  # (b, C)
+        tokens = torch.cat([lv.tokens for lv in self._levels], dim=1).tolist()  # (b, C)
+        parents = torch.cat([lv.parents for lv in self._levels], dim=1).tolist()  # (b, C)
+        budget = self.num_draft_tokens - 1
+        return [_select_closed(s, t, p, budget) for s, t, p in zip(scores, tokens, parents)]
+
+    def _check_shape(self, logprobs: torch.Tensor, shape: tuple[int | None, ...]) -> None:
+        ok = logprobs.dim() == len(shape) and all(e is None or e == a for e, a in zip(shape, logprobs.shape))
+        if not ok:
+            raise ValueError(f"expected logprobs of shape {shape} (None = vocab), got {tuple(logprobs.shape)}")
+        if logprobs.shape[-1] < self.topk:
+            raise ValueError(f"vocab size {logprobs.shape[-1]} is smaller than topk={self.topk}")
+
+
+def max_tree_candidates(num_steps: int, topk: int) -> int:
+    """Number of candidates a beam expansion produces: k at level 1, k*k at every later level."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def auto_speculative_params(
+    algorithm: str,
+    architecture: str | None = None,
+    num_steps: int | None = None,
+    topk: int | None = None,
+    num_draft_tokens: int | None = None,
+    *,
+    max_bfs_breadth: int = 10,
+) -> tuple[int, int, int]:
+    """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups (sglang_spec.md appendix A, §6.1)."""
+    algo = algorithm.upper()
+    if algo == "NGRAM":
+        # The trie decides the shape: topk is the BFS breadth, num_steps only sizes bookkeeping (SGLang: ndt // topk).
+        if max_bfs_breadth < 1:
+            raise ValueError(f"max_bfs_breadth must be >= 1, got {max_bfs_breadth}")
+        ndt = 12 if num_draft_tokens is None else num_draft_tokens
+        _check_positive(num_draft_tokens=ndt)
+        if num_steps is not None or topk is not None:
+            logger.warning("NGRAM ignores num_steps/topk: topk := max_bfs_breadth, num_steps := ndt // topk")
+        return ndt // max_bfs_breadth, max_bfs_breadth, ndt
+    if algo not in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE"):
+        raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM")
+
+    given = [num_steps is not None, topk is not None, num_draft_tokens is not None]
+    if any(given) and not all(given):
+        raise ValueError("set all three of num_steps, topk and num_draft_tokens, or none of them")
+    if not any(given):
+        if algo != "STANDALONE" and architecture in ("LlamaForCausalLM", "Grok1ForCausalLM"):
+            num_steps, topk, num_draft_tokens = 5, 4, 8
+        else:
+            num_steps, topk, num_draft_tokens = 3, 1, 4
+    _check_positive(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        logger.warning(
+            "topk == 1 builds a chain: num_draft_tokens %d -> num_steps + 1 = %d", num_draft_tokens, num_steps + 1
+        )
+        num_draft_tokens = num_steps + 1
+    capacity = max_tree_candidates(num_steps, topk)
+    if num_draft_tokens - 1 > capacity:
+        raise ValueError(
+            f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft nodes but num_steps={num_steps}, "
+            f"topk={topk} yield only {capacity}"
+        )
+    return num_steps, topk, num_draft_tokens
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _safe(logprobs: torch.Tensor) -> torch.Tensor:
+    # torch.topk ranks NaN above everything; a NaN draft score must lose, never win.
+    return torch.nan_to_num(logprobs.float(), nan=-math.inf)
+
+
+def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk along the last dim with ties broken by the lower index (torch.topk leaves tie order unspecified)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
+def _select_closed(scores: list[float], tokens: list[int], parents: list[int], budget: int) -> DraftTree:
+    """Best-first over the frontier of selectable candidates (root children, then children of chosen ones).
+
+    With log-prob scores a child never beats its parent, so this equals the global top-`budget` (ties to the lower
+    flat index); the frontier only matters for ties, NaN or non-monotone scores, where it keeps ancestor closure."""
+    children: dict[int, list[int]] = {}
+    for idx, parent in enumerate(parents):
+        children.setdefault(parent, []).append(idx)
+
+    def push(heap: list[tuple[float, int]], idx: int) -> None:
+        # A NaN or -inf score means the draft gave the token no mass: leave it (and its subtree) out of the tree.
+        if not (math.isnan(scores[idx]) or scores[idx] == -math.inf):
+            heapq.heappush(heap, (-scores[idx], idx))
+
+    frontier: list[tuple[float, int]] = []
+    for idx in children.get(ROOT, []):
+        push(frontier, idx)
+    chosen: list[int] = []
+    while frontier and len(chosen) < budget:
+        _, idx = heapq.heappop(frontier)
+        chosen.append(idx)
+        for child in children.get(idx, []):
+            push(frontier, child)
+    chosen.sort()  # flat indices grow level by level, so sorting puts parents before children
+    node_of = {flat: node for node, flat in enumerate(chosen)}
+    return DraftTree([tokens[f] for f in chosen], [ROOT if parents[f] == ROOT else node_of[parents[f]] for f in chosen])
