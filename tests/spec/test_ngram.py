@@ -1,0 +1,135 @@
+"""NGRAM proposer: repeated patterns are drafted (BFS and PROB), budget and dedup hold, rollback, eviction, release."""
+from __future__ import annotations
+
+import pytest
+
+from draft_service.ngram import NgramConfig, NgramProposer
+from runtime.speculative.tree import DraftTree
+
+
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.token_ids, tree.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths)
+
+
+def _assert_well_formed(tree: DraftTree, budget: int) -> None:
+    tree.validate()
+    assert len(tree) <= budget
+    siblings = [(p, t) for t, p in zip(tree.token_ids, tree.parents)]
+    assert len(siblings) == len(set(siblings)), "duplicate sibling tokens"
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_repeated_pattern_is_proposed(match_type):
+    ngram = NgramProposer(NgramConfig(match_type=match_type, num_draft_tokens=6, max_trie_depth=8))
+    pattern = [10, 11, 12, 13, 14, 15, 16]
+    ngram.sync("s", pattern * 3 + [10, 11])
+    (tree,) = ngram.propose(["s"])
+    _assert_well_formed(tree, 5)
+    assert (12, 13, 14, 15, 16) in _paths(tree)
+    assert tree.token_ids[0] == 12 and tree.parents[0] == -1
+
+
+def test_bfs_prefers_recent_and_prob_prefers_frequent():
+    tokens = [1, 2, 3] * 4 + [1, 2, 4] + [1, 2]  # after (1, 2): 3 four times, 4 most recently
+    bfs = NgramProposer(NgramConfig(match_type="BFS", num_draft_tokens=3, max_trie_depth=2, max_bfs_breadth=2))
+    prob = NgramProposer(NgramConfig(match_type="PROB", num_draft_tokens=3, max_trie_depth=2, max_bfs_breadth=2))
+    for ngram in (bfs, prob):
+        ngram.sync("s", tokens)
+    (bfs_tree,), (prob_tree,) = bfs.propose(["s"]), prob.propose(["s"])
+    # max_trie_depth=2: the only anchor is the last token 2; its children are 3 (freq 4) and 4 (most recent).
+    assert bfs_tree.token_ids[0] == 4 and set(bfs_tree.token_ids) == {3, 4}
+    assert prob_tree.token_ids[0] == 3 and set(prob_tree.token_ids) == {3, 4}
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+@pytest.mark.parametrize("ndt", [1, 2, 5, 12, 40])
+def test_budget_respected_and_no_duplicate_siblings(match_type, ndt):
+    import random
+    rng = random.Random(ndt)
+    tokens = [rng.randrange(6) for _ in range(400)]  # small vocab: many anchors, many merges
+    ngram = NgramProposer(NgramConfig(match_type=match_type, num_draft_tokens=ndt, max_trie_depth=6))
+    ngram.sync("s", tokens)
+    (tree,) = ngram.propose(["s"])
+    _assert_well_formed(tree, ndt - 1)
+    if ndt > 1:
+        assert len(tree) == ndt - 1  # a dense trie fills the budget
+
+
+def test_no_match_gives_empty_tree_not_padding():
+    ngram = NgramProposer(NgramConfig(num_draft_tokens=8))
+    ngram.sync("s", [1, 2, 3, 4])  # every token unique: the last token has no continuation
+    assert ngram.propose(["s", "unknown"]) == [DraftTree([], []), DraftTree([], [])]
+
+
+def test_incremental_sync_counts_each_ngram_once():
+    whole, steps = NgramProposer(NgramConfig(max_trie_depth=4)), NgramProposer(NgramConfig(max_trie_depth=4))
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2]
+    whole.sync("s", tokens)
+    for end in range(1, len(tokens) + 1, 3):
+        steps.sync("s", tokens[:end])
+    steps.sync("s", tokens)
+    assert _trie_dump(whole._root) == _trie_dump(steps._root)
+
+
+def test_rollback_via_shorter_sync_then_new_tokens():
+    ngram = NgramProposer(NgramConfig(num_draft_tokens=4, max_trie_depth=4))
+    ngram.sync("s", [7, 8, 9, 7, 8, 9, 7])
+    ngram.sync("s", [7, 8, 9, 7, 8])  # rollback: shorter list
+    (tree,) = ngram.propose(["s"])
+    assert tree.token_ids[:1] == [9]  # drafted from the rolled-back tail (…, 7, 8)
+    ngram.sync("s", [7, 8, 9, 7, 8, 5, 6])  # diverging continuation after the rollback
+    (tree,) = ngram.propose(["s"])
+    _assert_well_formed(tree, 3)
+    assert ngram._seqs["s"] == [7, 8, 9, 7, 8, 5, 6]
+
+
+def test_capacity_eviction_keeps_trie_bounded_and_prefers_recent():
+    cfg = NgramConfig(capacity=40, max_trie_depth=4, num_draft_tokens=4)
+    ngram = NgramProposer(cfg)
+    ngram.sync("old", [100, 101, 102, 103] * 3)
+    for i in range(30):
+        ngram.sync(f"s{i}", [i, i + 1000, i + 2000, i])
+        assert ngram.num_nodes <= cfg.capacity
+    ngram.sync("new", [500, 501, 502, 500])
+    assert ngram.num_nodes <= cfg.capacity
+    (tree,) = ngram.propose(["new"])
+    assert tree.token_ids[:1] == [501]  # the freshest pattern survives eviction
+    assert 100 not in ngram._root.children  # the oldest was evicted
+    _check_tree_links(ngram._root)
+    assert len(_trie_dump(ngram._root)) == ngram.num_nodes
+
+
+def test_release_forgets_the_sequence_but_keeps_the_trie():
+    ngram = NgramProposer(NgramConfig(num_draft_tokens=4))
+    ngram.sync("a", [1, 2, 3, 1, 2])
+    size = ngram.num_nodes
+    ngram.release("a")
+    ngram.release("a")  # idempotent
+    assert ngram.propose(["a"]) == [DraftTree([], [])]
+    ngram.sync("b", [9, 1, 2])
+    (tree,) = ngram.propose(["b"])
+    assert tree.token_ids[:1] == [3] and ngram.num_nodes >= size
+
+
+def test_config_validation():
+    for bad in (dict(min_bfs_breadth=0), dict(min_bfs_breadth=5, max_bfs_breadth=4), dict(match_type="DFS"),
+                dict(max_trie_depth=1), dict(capacity=3, max_trie_depth=4), dict(num_draft_tokens=0)):
+        with pytest.raises(ValueError):
+            NgramConfig(**bad)
+
+
+def _trie_dump(node, prefix=()) -> dict:
+    out = {}
+    for token, child in node.children.items():
+        out[prefix + (token,)] = child.freq
+        out.update(_trie_dump(child, prefix + (token,)))
+    return out
+
+
+def _check_tree_links(node) -> None:
+    for token, child in node.children.items():
+        assert child.parent is node and child.token == token
+        _check_tree_links(child)
