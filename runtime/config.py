@@ -106,7 +106,7 @@ class ModelConfig:
         theta, scaling = _rope_from_hf(hf_config)
         # Qwen2 always has q/k/v bias (no config flag); Llama/Mistral/Qwen3 say so through attention_bias.
         attention_bias = arch == "Qwen2ForCausalLM" or bool(getattr(hf_config, "attention_bias", False))
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")  # transformers < 5 name
         if dtype is not None and not isinstance(dtype, str):
             dtype = str(dtype).removeprefix("torch.")
         return cls(

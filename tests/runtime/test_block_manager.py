@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
 
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def test_block_manager_does_not_import_torch():
-    import runtime.kv_cache as kv_cache
+    code = "import sys, runtime.kv_cache; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=_ROOT)
 
-    assert "torch" not in kv_cache.__dict__
-    assert not any(name == "torch" for name in vars(kv_cache))
-    assert "runtime.kv_cache" in sys.modules
+
+def test_runtime_never_imports_grpc():
+    code = ("import sys, runtime.model_runner, runtime.attention.torch_backend; "
+            "assert not [m for m in sys.modules if m.startswith(('grpc', 'google.protobuf'))]")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=_ROOT)
 
 
 def test_allocate_and_ensure_capacity_take_whole_blocks():
