@@ -217,7 +217,9 @@ def auto_speculative_params(
             logger.warning("NGRAM ignores num_steps/topk: topk := max_bfs_breadth, num_steps := ndt // topk")
         return ndt // max_bfs_breadth, max_bfs_breadth, ndt
     if algo not in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE"):
-        raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM")
+        raise ValueError(
+            f"unknown speculative algorithm {algorithm!r}; expected EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM"
+        )
 
     given = [num_steps is not None, topk is not None, num_draft_tokens is not None]
     if any(given) and not all(given):

@@ -58,8 +58,9 @@ def verify_tree_sampling(
 ) -> VerifyOutcome:
     """Exact target-only tree sampling (SGLang tree_speculative_sampling_target_only with thresholds at 1).
 
-    target_probs: (n+1, V) processed target distributions. The random stream consumed is fixed per call (n+2
-    coins), so a seeded generator reproduces the same outputs whatever was accepted."""
+    target_probs: (n+1, V) processed target distributions; the generator must live on their device. The random
+    stream consumed is fixed per call (n+2 coins), so a seeded generator reproduces the same outputs whatever was
+    accepted. Host syncs: two small ones per sequence, plus one more only in a rounding corner case."""
     num_rows, vocab_size = target_probs.shape
     _check_rows(tree, num_rows)
     device = target_probs.device

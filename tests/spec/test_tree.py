@@ -150,7 +150,9 @@ def test_auto_params_topk_one_forces_chain_length(caplog):
     assert "topk == 1" in caplog.text
 
 
-@pytest.mark.parametrize("args", [("EAGLE", None, 0, 1, 2), ("EAGLE", None, 2, 2, 8), ("DRAFTY", None, None, None, None)])
+@pytest.mark.parametrize("args", [
+    ("EAGLE", None, 0, 1, 2), ("EAGLE", None, 2, 2, 8), ("DRAFTY", None, None, None, None),
+])
 def test_auto_params_errors(args):
     with pytest.raises(ValueError):
         auto_speculative_params(*args)
