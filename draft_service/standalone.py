@@ -60,7 +60,7 @@ class StandaloneProposer(Proposer):
         if inp.committed_len + spec.num_steps >= self.max_context_len:
             return False
         kv_len = self.runner.kv_len(inp.seq_id)
-        need = inp.committed_len - kv_len + spec.num_steps * spec.topk + 2 * self.runner.block_size
+        need = inp.committed_len - kv_len + spec.num_steps * spec.topk + 2 * self.runner.block_manager.block_size
         return need <= self.runner.num_free_tokens()
 
     def _catch_up(self, inputs: list[ProposeInput]) -> dict[str, torch.Tensor]:

@@ -89,7 +89,7 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
         steps, topk, ndt = auto_speculative_params(
             algorithm, read_architecture(model_path(args)), args.speculative_num_steps,
             args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-            ngram_max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
+            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     return algorithm, steps, topk, ndt

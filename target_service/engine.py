@@ -192,7 +192,7 @@ class TargetEngine:
 
     def _tokens_needed(self, n: int) -> int:
         # A new block may be opened for every sequence; count whole blocks so the pre-check never under-estimates.
-        bs = self.runner.block_size
+        bs = self.runner.block_manager.block_size
         return (n + bs - 1) // bs * bs + bs
 
     def _sync(self, inp: VerifyInput, seq: _Seq) -> bool:

@@ -19,6 +19,7 @@ from gateway.types import GenerateParams, RequestSampling
 
 def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
     """A draft that agrees with the target most of the time: the same weights plus Gaussian noise."""
+    src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     for f in src.iterdir():
