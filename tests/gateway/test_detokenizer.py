@@ -19,15 +19,15 @@ def _chunked(ids: list[int], rng: random.Random) -> list[list[int]]:
 
 
 def test_multibyte_character_split_across_tokens_is_never_emitted_half(tokenizer):
-    ids = tokenizer.encode("🙂🚀")
+    ids = tokenizer.encode("🎉🐍")
     assert len(ids) > 2, "the tiny vocabulary must split the emoji into byte tokens for this test to mean anything"
     detok = IncrementalDetokenizer(tokenizer)
     pieces = [detok.push([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) + detok.flush() == "🙂🚀"
+    assert "".join(pieces) + detok.flush() == "🎉🐍"
     # The first character is released as soon as its last byte arrives, before the second one is complete.
     first_done = next(i for i, p in enumerate(pieces) if p)
-    assert pieces[first_done] == "🙂" and first_done < len(ids) - 1
+    assert pieces[first_done] == "🎉" and first_done < len(ids) - 1
 
 
 @pytest.mark.parametrize("seed", range(5))
