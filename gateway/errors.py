@@ -94,13 +94,16 @@ def _wrap_unary(fn):
 def _wrap_stream(fn):
     if inspect.isasyncgenfunction(fn):
         async def stream(request, context):
+            responses = fn(request, context)
             try:
-                async for response in fn(request, context):
+                async for response in responses:
                     yield response
             except Exception as exc:
                 if _passes_through(exc):
                     raise
                 await abort_with_error(context, exc)
+            finally:
+                await responses.aclose()  # deterministic cleanup of the handler (it may hold a backend stream)
 
         return stream
 

@@ -1,0 +1,435 @@
+"""OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health.
+
+It validates and tokenizes requests, turns them into `GenerateParams`, and renders the backend's `GenerateChunk`s as
+OpenAI responses; every error leaves as OpenAI's error envelope. A client that disconnects closes the backend's
+iterator, which aborts the request. It knows nothing about pods, drafts or the speculative loop.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import RequestAborted, error_body, http_error
+from gateway.openai_protocol import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormatter,
+    _SamplingRequest,
+    unsupported_fields,
+)
+from gateway.tokenizer import Tokenizer
+from gateway.types import (
+    FinishReason,
+    GatewayError,
+    GenerateChunk,
+    GenerateParams,
+    GenerationBackend,
+    InvalidRequest,
+    ModelNotFound,
+    RequestSampling,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
+_NO_RETRY = {"x-should-retry": "false"}  # generation is not idempotent
+
+
+class PayloadTooLarge(GatewayError):
+    http_status = 413
+    grpc_code = "INVALID_ARGUMENT"
+    error_type = "invalid_request_error"
+
+
+def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *, max_model_len: int,
+              default_max_tokens: int | None = None,
+              health_check: Callable[[], Awaitable[bool] | bool] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The OpenAI REST app over `backend`.
+
+    default_max_tokens: default for chat requests without max_tokens (None = up to the context limit) and for
+    completions (None = 16); defaults are clipped to the room left in the context, explicit values are not.
+    health_check: /health answers 200 when it returns true; without one, `backend.health()` is used if it exists.
+    """
+    server = _OpenAIServer(backend, tokenizer, served_model_name, max_model_len=max_model_len,
+                           default_max_tokens=default_max_tokens, health_check=health_check,
+                           max_body_bytes=max_body_bytes)
+    app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.openai_server = server
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error serving %s", request.url.path)
+        return JSONResponse(error_body("internal server error", "internal_error"), status_code=500,
+                            headers=_NO_RETRY)
+
+    return app
+
+
+class _OpenAIServer:
+    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *,
+                 max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.health_check = health_check
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------------------ routes
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._guard(self._chat_completions, request)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guard(self._completions, request)
+
+    async def list_models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def retrieve_model(self, model: str) -> JSONResponse:
+        if model != self.model_name:
+            return self._error_response(self._model_not_found(model))
+        return JSONResponse(self._model_card())
+
+    async def health(self) -> Response:
+        try:
+            healthy = await self._is_healthy()
+        except Exception as exc:  # a failing probe is an unhealthy server, not a 500
+            log.warning("health check failed: %s", exc)
+            healthy = False
+        if healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body("the backend is not healthy", "service_unavailable"), status_code=503)
+
+    # ------------------------------------------------------------------------------------------ generation
+    async def _chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, ChatCompletionRequest)
+        if not req.messages:
+            raise InvalidRequest("messages must be a non-empty list", "messages")
+        prompt_ids = self.tokenizer.apply_chat_template(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._params(req, "chatcmpl-", prompt_ids, max_tokens, self.default_max_tokens, "messages")
+        fmt = ResponseFormatter(chat=True, request_id=params.request_id, created=int(time.time()),
+                                model=self.model_name)
+        return await self._respond(request, req, params, fmt)
+
+    async def _completions(self, request: Request) -> Response:
+        req = await self._parse(request, CompletionRequest)
+        prompt_ids = self._completion_prompt(req.prompt)
+        default = self.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        params = self._params(req, "cmpl-", prompt_ids, req.max_tokens, default, "prompt")
+        fmt = ResponseFormatter(chat=False, request_id=params.request_id, created=int(time.time()),
+                                model=self.model_name)
+        return await self._respond(request, req, params, fmt)
+
+    async def _respond(self, request: Request, req: _SamplingRequest, params: GenerateParams,
+                       fmt: ResponseFormatter) -> Response:
+        chunks = self.backend.generate(params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            # Wait for the first chunk before sending headers, so admission errors keep their HTTP status.
+            first = await _unless_disconnected(request, _first_chunk(chunks))
+            if first is _DISCONNECTED:
+                await _close(chunks)
+                return Response(status_code=499)
+            return _SSEResponse(_sse_events(chunks, first, fmt, include_usage),
+                                media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        result = await _unless_disconnected(request, _collect(chunks))
+        if result is _DISCONNECTED:
+            return Response(status_code=499)
+        text, finish, usage = result
+        return JSONResponse(fmt.response(text, finish, usage))
+
+    def _params(self, req: _SamplingRequest, id_prefix: str, prompt_ids: list[int], max_tokens: int | None,
+                default_max_tokens: int | None, prompt_param: str) -> GenerateParams:
+        prompt_len = len(prompt_ids)
+        if prompt_len == 0:
+            raise InvalidRequest("the prompt is empty", prompt_param)
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+            if max_tokens < 1:
+                raise _context_error(self.max_model_len, prompt_len, 1, prompt_param)
+        elif max_tokens > room:
+            raise _context_error(self.max_model_len, prompt_len, max_tokens, prompt_param)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}", "stop")
+        stop_token_ids = list(req.stop_token_ids or [])
+        if any(t < 0 for t in stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative", "stop_token_ids")
+        sampling = RequestSampling(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k in (None, 0) else req.top_k,
+            seed=None if req.seed is None else req.seed % (1 << 64),  # the pods take a uint64 seed
+        )
+        return GenerateParams(request_id=id_prefix + uuid.uuid4().hex, prompt_token_ids=prompt_ids,
+                              max_new_tokens=max_tokens, sampling=sampling, stop=[s for s in stop if s],
+                              stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+
+    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if isinstance(prompt[0], int):
+            if min(prompt) < 0:
+                raise InvalidRequest("prompt token ids must be non-negative", "prompt")
+            return list(prompt)
+        if len(prompt) > 1:
+            raise InvalidRequest("batched prompts are not supported; send one prompt per request", "prompt")
+        return self._completion_prompt(prompt[0])
+
+    # ------------------------------------------------------------------------------------------ helpers
+    async def _guard(self, handler: Callable[[Request], Awaitable[Response]], request: Request) -> Response:
+        """Every error of a generation route becomes an OpenAI envelope with its HTTP status."""
+        try:
+            return await handler(request)
+        except GatewayError as exc:
+            return self._error_response(exc)
+        except Exception:
+            log.exception("unhandled error serving %s", request.url.path)
+            return JSONResponse(error_body("internal server error", "internal_error"), status_code=500,
+                                headers=_NO_RETRY)
+
+    def _error_response(self, exc: GatewayError) -> JSONResponse:
+        status, body = http_error(exc)
+        headers = _NO_RETRY if status >= 500 and status != 503 or status == 499 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        body = await _read_body(request, self.max_body_bytes)
+        try:
+            data = json.loads(body)
+        except ValueError as exc:  # UnicodeDecodeError is a ValueError too
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequest("the request body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            body = _validation_body(exc.errors())["error"]
+            raise InvalidRequest(body["message"], body["param"]) from None
+        if req.model is not None and req.model != self.model_name:
+            raise self._model_not_found(req.model)
+        unsupported = unsupported_fields(req)
+        if unsupported:
+            name = unsupported[0]
+            hint = " (only n=1)" if name == "n" else ""
+            raise InvalidRequest(f"'{name}' is not supported by this server{hint}", name)
+        return req
+
+    def _model_not_found(self, model: str) -> ModelNotFound:
+        exc = ModelNotFound(f"The model `{model}` does not exist; this server serves `{self.model_name}`.")
+        exc.param, exc.code = "model", "model_not_found"
+        return exc
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "root": self.model_name, "max_model_len": self.max_model_len}
+
+    async def _is_healthy(self) -> bool:
+        probe = self.health_check or getattr(self.backend, "health", None)
+        if probe is None:
+            return True
+        result = probe()
+        if inspect.isawaitable(result):
+            result = await result
+        return bool(result)
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client going away (Starlette skips that for ASGI 2.4
+    servers and only notices on the next write) and then closes the body iterator, which closes the backend's."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-write
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(self.body_iterator)
+
+
+async def _sse_events(chunks: AsyncIterator[GenerateChunk], first: GenerateChunk, fmt: ResponseFormatter,
+                      include_usage: bool) -> AsyncIterator[str]:
+    try:
+        role = fmt.role_chunk()
+        if role is not None:
+            yield _sse(role)
+        chunk: GenerateChunk | None = first
+        while chunk is not None:
+            if chunk.finish_reason is None:
+                if chunk.text:
+                    yield _sse(fmt.text_chunk(chunk.text))
+                chunk = await anext(chunks, None)
+                continue
+            finish = _finish_reason(chunk)
+            if chunk.text:
+                yield _sse(fmt.text_chunk(chunk.text))
+            yield _sse(fmt.text_chunk("", finish))
+            if include_usage:
+                yield _sse(fmt.usage_chunk(chunk.usage or Usage(0, 0)))
+            break
+        else:
+            raise RuntimeError("the backend ended the stream without a finish reason")
+    except GatewayError as exc:
+        yield _sse(http_error(exc)[1])
+    except Exception as exc:
+        log.exception("error while streaming", exc_info=exc)
+        yield _sse(error_body("internal server error", "internal_error"))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _close(chunks)
+    yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------- private helpers
+_DISCONNECTED = object()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client disconnects first (then `work` is cancelled and _DISCONNECTED returned)."""
+    outcome: list[Any] = [_DISCONNECTED]
+    failure: list[BaseException] = []
+
+    async with anyio.create_task_group() as tg:
+        async def run() -> None:
+            try:
+                outcome[0] = await work
+            except Exception as exc:
+                failure.append(exc)
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
+async def _first_chunk(chunks: AsyncIterator[GenerateChunk]) -> GenerateChunk:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        raise RuntimeError("the backend produced no output") from None
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _close(chunks)
+        raise
+
+
+async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[str, str, Usage]:
+    texts: list[str] = []
+    try:
+        async for chunk in chunks:
+            texts.append(chunk.text)
+            if chunk.finish_reason is not None:
+                return "".join(texts), _finish_reason(chunk), chunk.usage or Usage(0, 0)
+        raise RuntimeError("the backend ended the stream without a finish reason")
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _close(chunks)
+
+
+def _finish_reason(chunk: GenerateChunk) -> str:
+    if chunk.finish_reason == FinishReason.ABORT:
+        raise RequestAborted("the request was aborted by the server")
+    return FinishReason(chunk.finish_reason).value
+
+
+async def _close(iterator: Any) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:
+            log.exception("error while closing a generation stream")
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+    too_large = PayloadTooLarge(f"the request body is larger than {max_body_bytes} bytes")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_body_bytes:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _context_error(max_model_len: int, prompt_len: int, max_tokens: int, param: str) -> InvalidRequest:
+    exc = InvalidRequest(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the {param}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {param} or completion.", param)
+    exc.code = "context_length_exceeded"
+    return exc
+
+
+def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more validation errors)"
+    return error_body(message, "invalid_request_error", param)
