@@ -1,0 +1,78 @@
+"""χ² test through the real target engine: tokens emitted by a sampled Verify of a draft tree follow the target
+distribution (HF transformers' probabilities after temperature / top-k / top-p), at the first and the second position.
+
+Many sequences with different seeds run in one batched verify; the tree holds the target's own likely tokens (so the
+accept branches run) plus an unlikely one and a duplicate sibling (so the residual and dedup branches run).
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from runtime.config import EngineConfig
+from runtime.model_runner import ModelRunner
+from runtime.sampling import SamplingParams, process_logits
+from runtime.speculative.tree import DraftTree
+from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from tests.tiny_models import load_hf_model, make_tiny_model
+
+NUM_TRIALS = 3000
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("chi2"), std=0.3)
+    return path, load_hf_model(path)
+
+
+def hf_probs(hf, ids: list[int], sampling: SamplingParams) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1:].float()
+    return process_logits(logits, sampling)[0]  # (vocab,)
+
+
+def expected_counts(probs: torch.Tensor, observed: collections.Counter, total: int):
+    support = [t for t in range(probs.numel()) if probs[t] > 1e-6]
+    assert set(observed) <= set(support), "sampled a token outside the target's support"
+    mass = sum(float(probs[t]) for t in support)  # renormalise over the support so the sums agree exactly
+    return [observed.get(t, 0) for t in support], [float(probs[t]) / mass * total for t in support]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.8, top_k=6),
+    SamplingParams(temperature=1.3, top_k=8, top_p=0.8),
+    SamplingParams(temperature=0.7, top_p=0.7),
+], ids=["temp-topk", "temp-topk-topp", "temp-topp"])
+def test_sampled_verify_follows_the_target_distribution(model, sampling):
+    path, hf = model
+    runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=NUM_TRIALS * 48))
+    engine = TargetEngine(runner)
+    prompt, root = [3, 17, 42, 9, 100], 55
+    first = hf_probs(hf, [*prompt, root], sampling)
+    top = torch.argsort(first, descending=True).tolist()
+    a, b = top[0], top[1]
+    second = hf_probs(hf, [*prompt, root, a], sampling)
+    a2 = int(torch.argmax(second))
+    unlikely = top[-1]
+    # Root children: a, b, a duplicate of a (must not double-count), an unlikely token; a has a child a2.
+    tree = DraftTree([a, b, a, unlikely, a2], [-1, -1, -1, -1, 0])
+    stop = StopRule(max_new_tokens=100, prompt_len=len(prompt))
+    seeded = [SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=i)
+              for i in range(NUM_TRIALS)]
+    engine.prefill([PrefillInput(f"s{i}", [*prompt, root], False, seeded[i], stop) for i in range(NUM_TRIALS)])
+    outputs = engine.verify([VerifyInput(f"s{i}", len(prompt) + 1, root, tree, seeded[i], stop)
+                             for i in range(NUM_TRIALS)])
+    assert all(o.status == 0 for o in outputs)
+    firsts = collections.Counter(o.token_ids[0] for o in outputs)
+    observed, expected = expected_counts(first, firsts, NUM_TRIALS)
+    assert chisquare(observed, expected).pvalue > 1e-3
+    seconds = collections.Counter(o.token_ids[1] for o in outputs if o.token_ids[0] == a)
+    n = sum(seconds.values())
+    assert n > 200
+    observed, expected = expected_counts(second, seconds, n)
+    assert chisquare(observed, expected).pvalue > 1e-3
+    engine.release([f"s{i}" for i in range(NUM_TRIALS)])
+    assert runner.num_free_tokens() == runner.num_total_tokens()
