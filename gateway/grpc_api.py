@@ -97,7 +97,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if has_text:
             if self.tokenizer is None:
                 raise InvalidRequest("this server has no tokenizer; send token_ids", "text")
-            prompt_ids = self.tokenizer.encode(request.text)
+            prompt_ids = self.tokenizer.encode(request.text, getattr(self.backend, "max_context_len", None))
             if not prompt_ids:
                 raise InvalidRequest("the prompt is empty", "text")
         else:

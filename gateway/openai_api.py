@@ -141,7 +141,7 @@ class _OpenAIServer:
         req = await self._parse(request, ChatCompletionRequest)
         if not req.messages:
             raise InvalidRequest("messages must be a non-empty list", "messages")
-        prompt_ids = self.tokenizer.apply_chat_template(req.messages)
+        prompt_ids = self.tokenizer.apply_chat_template(req.messages, max_len=self.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, "chatcmpl-", prompt_ids, max_tokens, self.default_max_tokens, "messages")
         fmt = ResponseFormatter(chat=True, request_id=params.request_id, created=int(time.time()),
@@ -205,7 +205,7 @@ class _OpenAIServer:
 
     def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, max_len=self.max_model_len)
         if not prompt:
             raise InvalidRequest("the prompt is empty", "prompt")
         if isinstance(prompt[0], int):

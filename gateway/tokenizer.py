@@ -26,6 +26,9 @@ class Tokenizer:
         self.path = folder
         self.hf = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self.eos_token_ids: list[int] = _eos_token_ids(self.hf, folder)
+        # No token covers more UTF-8 bytes than its vocabulary string has (byte-level BPE: one char per byte;
+        # SentencePiece: "▁" and "<0xNN>" are longer than what they stand for), so bytes / this bounds the count.
+        self.max_token_bytes = max((len(t.encode()) for t in self.hf.get_vocab()), default=1) or 1
 
     @property
     def vocab_size(self) -> int:
@@ -35,14 +38,19 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        """Tokenize a plain completion prompt; special tokens (e.g. BOS) as the tokenizer's HF default adds them."""
+    def encode(self, text: str, max_len: int | None = None) -> list[int]:
+        """Tokenize a plain completion prompt; special tokens (e.g. BOS) as the tokenizer's HF default adds them.
+
+        max_len: reject (InvalidRequest) a text that certainly has more tokens, without tokenizing it (an 8 MiB
+        prompt takes seconds to tokenize and would hold the event loop).
+        """
+        self._check_len(text, max_len, "prompt")
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], max_len: int | None = None) -> list[int]:
         """Render OpenAI-style messages with the generation prompt appended and tokenize them.
 
         The rendered text already holds the template's special tokens, so none are added again (HF's own rule).
@@ -57,7 +65,18 @@ class Tokenizer:
             raise
         except Exception as exc:  # jinja's raise_exception (e.g. "roles must alternate") and template errors
             raise InvalidRequest(f"the chat template rejected the messages: {exc}", "messages") from None
+        self._check_len(text, max_len, "messages")
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def _check_len(self, text: str, max_len: int | None, param: str) -> None:
+        if max_len is None:
+            return
+        min_tokens = -(-len(text.encode()) // self.max_token_bytes)
+        if min_tokens > max_len:
+            exc = InvalidRequest(f"This model's maximum context length is {max_len} tokens. However, the {param} "
+                                 f"has at least {min_tokens} tokens. Please reduce the length of the {param}.", param)
+            exc.code = "context_length_exceeded"
+            raise exc
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:

@@ -49,3 +49,19 @@ def test_missing_chat_template_is_a_clear_invalid_request(tmp_path):
 def test_missing_folder_fails_at_startup(tmp_path):
     with pytest.raises(FileNotFoundError):
         Tokenizer(tmp_path / "nope")
+
+
+def test_text_that_cannot_fit_is_rejected_before_tokenizing(tokenizer, monkeypatch):
+    text = "a" * (tokenizer.max_token_bytes * 100 + 1)
+    monkeypatch.setattr(tokenizer.hf, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt"))
+    with pytest.raises(InvalidRequest, match="maximum context length is 100") as err:
+        tokenizer.encode(text, max_len=100)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], max_len=100)
+
+
+def test_bound_never_rejects_a_prompt_that_fits(tokenizer):
+    for text in ("Héllo wörld 日本語 🙂 " * 5, "hello world " * 20, "\n" * 50):
+        n = len(tokenizer.encode(text))
+        assert tokenizer.encode(text, max_len=n) == tokenizer.encode(text)
