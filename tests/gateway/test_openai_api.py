@@ -321,3 +321,13 @@ def test_chat_without_a_chat_template_is_a_clear_400(make_server, tmp_path):
     r = httpx.post(s.base_url + "/v1/chat/completions",
                    json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}]}, timeout=30)
     assert "no chat template" in assert_envelope(r, 400)["message"]
+
+
+def test_completion_stream_through_the_openai_client(server, backend, tokenizer):
+    # Not strict: openai-python's `CompletionChoice.finish_reason` is a required non-null Literal, so strict mode
+    # rejects the spec's (and OpenAI's own) `"finish_reason": null` in legacy-completion chunks. Chat chunks are fine.
+    c = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=30)
+    chunks = list(c.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=6, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == expected(backend, tokenizer,
+                                                                    tokenizer.encode("hello world"), 6)[1]
+    assert chunks[-1].choices[0].finish_reason == "length"
