@@ -52,14 +52,14 @@ class Sequence:
         text, matched = "", None
         if self._detok is not None:
             text = self._detok.push(token_ids)
+            if finish is not None:
+                text += self._detok.flush()
             if self._stops is not None:
                 text, matched = self._stops.push(text)
                 if matched is not None:
                     finish = FinishReason.STOP
                 elif finish is not None:
                     text += self._stops.flush()
-            if finish is not None and matched is None:
-                text += self._detok.flush() if self._stops is None else ""
         if finish is None:
             if token_ids or text:
                 self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text))

@@ -167,8 +167,10 @@ def test_grpc_generate_streams_and_rejects_bad_input(stack):
 
 
 def test_client_disconnect_frees_kv_on_the_target(stack, client):
-    stream = client.completions.create(model=DEFAULT_MODEL.name, prompt="def ", max_tokens=2000, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    # Chat streaming: legacy completion chunks carry `finish_reason: null`, which strict clients refuse.
+    stream = client.chat.completions.create(model=DEFAULT_MODEL.name, messages=[{"role": "user", "content": "def"}],
+                                            max_tokens=1500, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 3:
             break
