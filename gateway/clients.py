@@ -110,6 +110,8 @@ class _Client:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ValueError(exc.details()) from exc
             raise PodUnavailable(f"{self.address}: {exc.code().name}: {exc.details()}") from exc
+        except grpc.aio.UsageError as exc:  # the channel was closed under us
+            raise PodUnavailable(f"{self.address}: {exc}") from exc
 
     async def close(self) -> None:
         await self.channel.close()

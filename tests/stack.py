@@ -78,6 +78,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
     scheduler.test_proposer = proposer
+    scheduler.test_servers = servers
     try:
         yield scheduler
     finally:

@@ -109,3 +109,27 @@ async def _assert_no_kv_leak(scheduler) -> None:
         await asyncio.sleep(0.02)
     assert runner.num_free_tokens() == runner.num_total_tokens(), "target KV leaked"
     assert proposer is None or proposer.num_seqs == 0, "draft state leaked"
+
+
+async def test_unreachable_draft_falls_back_to_target_only(pair):
+    """DESIGN.md §2 fallback: with the draft pod gone, sequences continue target-only with the same greedy text."""
+    target, draft, hf = pair
+    prompt = prompts(hf.config.vocab_size)[1]
+    async with local_stack(target, algorithm="STANDALONE", draft_path=draft, num_steps=3, topk=1,
+                           num_draft_tokens=4) as scheduler:
+        first, _, _ = await generate_ids(scheduler, prompt, 8, request_id="before")
+        await scheduler.test_servers[1].stop(grace=None)  # the draft pod disappears
+        got, usage, finish = await generate_ids(scheduler, prompt, 20, request_id="after")
+        assert got == hf_greedy(hf, prompt, 20)
+        assert first == got[:8]
+        assert usage.proposed_draft_tokens == 0 and finish.value == "length"
+        await _assert_no_kv_leak_target(scheduler)
+
+
+async def _assert_no_kv_leak_target(scheduler) -> None:
+    runner = scheduler.test_target_runner
+    for _ in range(100):
+        if runner.num_free_tokens() == runner.num_total_tokens():
+            break
+        await asyncio.sleep(0.02)
+    assert runner.num_free_tokens() == runner.num_total_tokens(), "target KV leaked"
