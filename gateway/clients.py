@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.features import FeatureRows
 from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -34,6 +35,7 @@ class TargetPrefillItem:
     sample_next_token: bool
     sampling: RequestSampling
     stop: SeqStop
+    return_features: bool = False
 
 
 @dataclass
@@ -45,6 +47,7 @@ class VerifyItem:
     tree_parents: list[int]
     sampling: RequestSampling
     stop: SeqStop
+    return_features: bool = False
 
 
 @dataclass
@@ -58,6 +61,7 @@ class StepResult:
     num_accepted_drafts: int = 0
     num_draft_tokens: int = 0
     error: str = ""
+    features: FeatureRows | None = None  # target features of the tokens that gained KV (feature drafts)
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ProposeItem:
     num_steps: int
     topk: int
     num_draft_tokens: int
+    features: FeatureRows | None = None  # one row per new token: the feature of the token before it
 
 
 @dataclass
@@ -90,6 +95,18 @@ def _sampling(s: RequestSampling) -> pb.SamplingParams:
     if s.seed is not None:
         msg.seed = s.seed
     return msg
+
+
+def _features_from_pb(msg: pb.Tensor) -> FeatureRows | None:
+    if not msg.dtype:
+        return None
+    return FeatureRows(msg.dtype, tuple(msg.shape[1:]), msg.data, msg.shape[0])
+
+
+def _features_to_pb(rows: FeatureRows | None) -> pb.Tensor | None:
+    if rows is None:
+        return None
+    return pb.Tensor(dtype=rows.dtype, shape=[rows.num_rows, *rows.row_shape], data=rows.data)
 
 
 def _stop(s: SeqStop) -> pb.StopParams:
@@ -128,19 +145,21 @@ class TargetClient(_Client):
     async def prefill(self, items: list[TargetPrefillItem]) -> list[StepResult]:
         request = pb.TargetPrefillRequest(seqs=[
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
-                                sampling=_sampling(i.sampling), stop=_stop(i.stop)) for i in items])
+                                sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features)
+            for i in items])
         response = await self._call(self.stub.Prefill, request)
-        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error)
-                for r in response.results]
+        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error,
+                           features=_features_from_pb(r.hidden)) for r in response.results]
 
     async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         request = pb.VerifyRequest(seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
                          tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents),
-                         sampling=_sampling(i.sampling), stop=_stop(i.stop)) for i in items])
+                         sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features)
+            for i in items])
         response = await self._call(self.stub.Verify, request)
         return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, r.num_accepted_drafts,
-                           r.num_draft_tokens, r.error) for r in response.results]
+                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden)) for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
@@ -155,15 +174,16 @@ class DraftClient(_Client):
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
 
-    async def prefill(self, seqs: list[tuple[str, list[int]]]) -> list[int]:
-        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t) for s, t in seqs])
+    async def prefill(self, seqs: list[tuple[str, list[int], FeatureRows | None]]) -> list[int]:
+        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t, hidden=_features_to_pb(f))
+                                               for s, t, f in seqs])
         response = await self._call(self.stub.Prefill, request)
         return [r.status for r in response.results]
 
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
-                          spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens))
+                          hidden=_features_to_pb(i.features), spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens))
             for i in items])
         response = await self._call(self.stub.Propose, request)
         return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len)

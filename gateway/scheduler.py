@@ -25,6 +25,7 @@ from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, Generat
 logger = logging.getLogger(__name__)
 
 _FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
+FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.algorithm != "NONE"
+
+    @property
+    def needs_features(self) -> bool:
+        """Feature-based drafts need the target's hidden states of every committed token."""
+        return self.algorithm in FEATURE_ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -214,8 +220,10 @@ class Scheduler:
         if not (new or resync):
             return
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
-        items = [TargetPrefillItem(s.seq_id, s.committed[:], True, s.params.sampling, s.stop) for s in new]
-        items += [TargetPrefillItem(s.seq_id, s.committed[:], False, s.params.sampling, s.stop) for s in resync]
+        feats = self.spec.needs_features
+        items = [TargetPrefillItem(s.seq_id, s.committed[:], True, s.params.sampling, s.stop, feats) for s in new]
+        items += [TargetPrefillItem(s.seq_id, s.committed[:], False, s.params.sampling, s.stop, feats)
+                  for s in resync]
         try:
             results = await self.target.prefill(items)
         except (PodUnavailable, ValueError) as exc:
@@ -225,6 +233,8 @@ class Scheduler:
             return
         for seq, result in zip([*new, *resync], results):
             seq.needs_target_prefill = False
+            if feats:
+                seq.features.reset(result.features)
             if result.status == STATUS_OOM:
                 seq.fail(Overloaded(f"not enough KV cache: {result.error}"))
             elif result.status != STATUS_OK:
@@ -241,15 +251,19 @@ class Scheduler:
         if not self._draft_usable():
             return {}
         try:
+            if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
+                seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
             if unsynced:
-                statuses = await self.draft.prefill([(s.seq_id, s.committed[:]) for s in unsynced])
+                statuses = await self.draft.prefill([(s.seq_id, s.committed[:], self._features(s, 0))
+                                                     for s in unsynced])
                 for seq, status in zip(unsynced, statuses):
                     if status == STATUS_OK:
                         seq.draft_synced_len = len(seq.committed)
             ready = [s for s in seqs if s.draft_synced_len > 0]
             items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], self.spec.num_steps,
-                                 self.spec.topk, self.spec.num_draft_tokens) for s in ready]
+                                 self.spec.topk, self.spec.num_draft_tokens,
+                                 self._features(s, s.draft_synced_len - 1)) for s in ready]
             proposals = await self.draft.propose(items) if items else []
         except PodUnavailable as exc:
             logger.warning("draft pod unusable, continuing target-only: %s", exc)
@@ -268,13 +282,19 @@ class Scheduler:
                 trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents)
         return trees
 
+    def _features(self, seq: Sequence, start: int):
+        """Feature rows [start, L-1) of a sequence with L committed tokens; None for token-only drafts."""
+        if not self.spec.needs_features:
+            return None
+        return seq.features.slice(start, len(seq.committed) - 1)
+
     async def _step(self, seqs: list[Sequence]) -> None:
         trees = await self._propose(seqs)
         items = []
         for seq in seqs:
             tokens, parents = trees.get(seq.seq_id, ([], []))
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
-                                    seq.params.sampling, seq.stop))
+                                    seq.params.sampling, seq.stop, self.spec.needs_features))
         try:
             results = await self.target.verify(items)
         except (PodUnavailable, ValueError) as exc:
@@ -292,4 +312,6 @@ class Scheduler:
                 seq.fail(GatewayError(f"target rejected the step: {result.error}"))
             else:
                 seq.record_step(result.num_accepted_drafts, result.num_draft_tokens)
+                if result.features is not None:
+                    seq.features.append(result.features)
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))

@@ -7,6 +7,7 @@ import asyncio
 
 from gateway.clients import SeqStop
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.features import FeatureLog
 from gateway.types import FinishReason, GenerateChunk, GenerateParams, Usage
 
 
@@ -24,6 +25,7 @@ class Sequence:
         self.aborted = False
         self.needs_target_prefill = False  # set when the target answered STALE: re-sync from `committed`
         self.draft_synced_len = 0  # committed tokens the draft pod knows; 0 = it must be (re-)prefilled
+        self.features = FeatureLog()  # target features of committed[:-1], for feature-based drafts
         self.verify_steps = 0
         self.accepted_draft_tokens = 0
         self.proposed_draft_tokens = 0

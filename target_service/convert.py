@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from protos.tandem.v1 import tandem_pb2 as pb
+from protos.wire import tensor_to_pb
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from target_service.engine import PrefillInput, StepOutput, StopRule, VerifyInput
@@ -25,21 +26,29 @@ def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
 
 def prefill_inputs(request: pb.TargetPrefillRequest) -> list[PrefillInput]:
     return [PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
-                         sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop)) for s in request.seqs]
+                         sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop),
+                         return_features=s.return_hidden) for s in request.seqs]
 
 
 def verify_inputs(request: pb.VerifyRequest) -> list[VerifyInput]:
     return [VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
-                        tree=tree_from_pb(s.tree), sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop))
+                        tree=tree_from_pb(s.tree), sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop),
+                        return_features=s.return_hidden)
             for s in request.seqs]
 
 
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
-    return pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
-                                  finish_reason=int(out.finish), error=out.error)
+    msg = pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
+                                 finish_reason=int(out.finish), error=out.error)
+    if out.features is not None:
+        msg.hidden.CopyFrom(tensor_to_pb(out.features))
+    return msg
 
 
 def verify_result(out: StepOutput) -> pb.VerifyResult:
-    return pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
-                           num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
-                           finish_reason=int(out.finish), error=out.error)
+    msg = pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
+                          num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
+                          finish_reason=int(out.finish), error=out.error)
+    if out.features is not None:
+        msg.hidden.CopyFrom(tensor_to_pb(out.features))
+    return msg

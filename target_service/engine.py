@@ -49,6 +49,7 @@ class PrefillInput:
     sample_next_token: bool
     sampling: SamplingParams
     stop: StopRule
+    return_features: bool = False
 
 
 @dataclass
@@ -59,6 +60,7 @@ class VerifyInput:
     tree: DraftTree
     sampling: SamplingParams
     stop: StopRule
+    return_features: bool = False
 
 
 @dataclass
@@ -70,6 +72,9 @@ class StepOutput:
     num_draft_tokens: int = 0
     finish: Finish = Finish.NONE
     error: str = ""
+    # Target features of the tokens that gained KV in this call (feature-based drafts): prefill → one row per
+    # prompt token; verify → the root and the accepted drafts. Row i is the feature of the i-th such token.
+    features: torch.Tensor | None = None  # (rows, feature_dim)
 
 
 @dataclass
@@ -83,8 +88,14 @@ class _Seq:
 class TargetEngine:
     """Batched prefill/verify over many sequences with one model forward per call."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, feature_layers: list[int] | None = None, final_norm_features=False):
+        """feature_layers: residual-stream layer inputs captured for feature drafts (EAGLE-3 aux states; index
+        num_layers = the last layer's output). final_norm_features: EAGLE-2 features, the lm_head input."""
         self.runner = runner
+        num_layers = runner.model_config.num_layers
+        self._capture = [num_layers] if final_norm_features else feature_layers
+        self._final_norm = final_norm_features
+        self.feature_dim = len(self._capture) * runner.model_config.hidden_size if self._capture else 0
         self.device = runner.device
         self.max_context_len = runner.model_config.max_position_embeddings
         self._seqs: dict[str, _Seq] = {}
@@ -116,9 +127,11 @@ class TargetEngine:
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
-        logits = self._forward([f for _, f in forwards], outputs)
+        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs))
         by_id = {o.seq_id: o for o in outputs}
-        for (inp, _), rows in zip(forwards, logits):
+        for (inp, _), rows, feats in zip(forwards, logits, features):
+            if inp.return_features:
+                by_id[inp.seq_id].features = feats
             if not inp.sample_next_token or rows is None:
                 continue
             seq = self._seqs[inp.seq_id]
@@ -154,16 +167,20 @@ class TargetEngine:
             depths = [0] + [d + 1 for d in inp.tree.depths()]
             forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
                                              positions=[kv_len + d for d in depths], parents=parents, logits="all")))
-        logits = self._forward([f for _, f in forwards], outputs)
+        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs))
         by_id = {o.seq_id: o for o in outputs}
-        for (inp, _), rows in zip(forwards, logits):
+        for (inp, _), rows, feats in zip(forwards, logits, features):
             if rows is None:
                 continue
             seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
             outcome = self._accept(inp.tree, rows, seq)
-            self.runner.compact(inp.seq_id, [0] + [i + 1 for i in outcome.accepted_nodes])
+            kept_nodes = [0] + [i + 1 for i in outcome.accepted_nodes]  # region nodes: root + accepted path
+            self.runner.compact(inp.seq_id, kept_nodes)
             out.num_accepted_drafts = outcome.num_accepted_drafts
             self._commit(out, seq, outcome.tokens)
+            if inp.return_features and feats is not None:
+                # The root and the accepted drafts now have KV; a stop may have cut the run short.
+                out.features = feats[kept_nodes[: len(out.token_ids)]]
         return outputs
 
     def release(self, seq_ids: list[str]) -> int:
@@ -204,20 +221,25 @@ class TargetEngine:
             self.runner.truncate(inp.seq_id, inp.committed_len - 1)
         return seq.token_ids[-1] == inp.root_token_id
 
-    def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput]) -> list[torch.Tensor | None]:
+    def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False):
+        """(logits per forward, features per forward or None)."""
         if not forwards:
-            return []
+            return [], []
+        capture = self._capture if features and self._capture else None
         start = time.perf_counter()
         try:
-            result = self.runner.forward(forwards)
+            result = self.runner.forward(forwards, capture_layers=capture)
         except OutOfKVBlocks as exc:  # the pre-check should make this unreachable; fail the batch cleanly
             by_id = {o.seq_id: o for o in outputs}
             for f in forwards:
                 by_id[f.seq_id].status, by_id[f.seq_id].error = Status.OUT_OF_MEMORY, str(exc)
                 self.release([f.seq_id])
-            return [None] * len(forwards)
+            return [None] * len(forwards), [None] * len(forwards)
         self.last_forward_ms = (time.perf_counter() - start) * 1e3
-        return list(result.logits)
+        feats = list(result.aux_hidden) if capture else [None] * len(forwards)
+        if capture and self._final_norm:
+            feats = [self.runner.model.norm(f) if f is not None else None for f in feats]
+        return list(result.logits), feats
 
     def _sample_rows(self, rows: torch.Tensor, seq: _Seq) -> list[int]:
         """Sample one token per logits row with exactly the processing used in verification."""
