@@ -1,9 +1,11 @@
-"""The speculative loop: continuous batching of every running sequence over one draft pod and one target pod.
+"""The speculative loop: continuous batching of every running sequence over pools of draft and target pods.
 
-Each loop iteration: release finished/aborted sequences on both pods, admit waiting requests (one batched target
-Prefill + one draft Prefill), then one step for all running sequences — one batched Propose to the draft, one batched
-Verify to the target — and commit what the target accepted. The gateway's committed token list is the source of
-truth: a pod that answers STALE is re-synced from it; an unreachable draft means target-only decoding.
+Each loop iteration: release finished/aborted sequences on their pods, admit waiting requests (one batched target
+Prefill per pod), then one step for all running sequences — one batched Propose per draft pod, one batched Verify
+per target pod, the pods of a kind called concurrently — and commit what the targets accepted. Sequences are routed
+to a (draft, target) pair by rendezvous hashing over the live pods. The gateway's committed token list is the source
+of truth: a pod that answers STALE, or a target pod that is lost, is re-synced from it (re-prefill on another pod);
+a sequence without a reachable draft pod decodes target-only.
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem,
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
+from gateway.pods import PodPool
 from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
                            InvalidRequest, Overloaded, Unavailable)
@@ -52,7 +55,8 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_queued_requests: int = 256
     request_timeout_s: float = 600.0
-    draft_retry_s: float = 5.0  # how long a failed draft pod is left alone before trying it again
+    pod_retry_s: float = 5.0  # how long a failed pod is left alone before it is tried again
+    max_pod_failures: int = 3  # pod failures one request survives (each moves it to another pod)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -60,12 +64,15 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Implements gateway.types.GenerationBackend over one target pod and an optional draft pod."""
+    """Implements gateway.types.GenerationBackend over pools of target and draft pods."""
 
-    def __init__(self, *, target: TargetClient, draft: DraftClient | None, tokenizer, model_name: str,
+    def __init__(self, *, targets: list[TargetClient], drafts: list[DraftClient], tokenizer, model_name: str,
                  max_context_len: int, vocab_size: int, eos_token_ids: list[int], spec: SpecConfig,
                  config: SchedulerConfig = SchedulerConfig()):
-        self.target, self.draft = target, draft
+        if not targets:
+            raise ValueError("at least one target pod is needed")
+        self.targets = PodPool(targets, config.pod_retry_s)
+        self.drafts = PodPool(drafts, config.pod_retry_s)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context_len = max_context_len
@@ -77,11 +84,10 @@ class Scheduler:
         self._counter = itertools.count()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
-        self._to_release: list[str] = []
+        self._to_release: list[Sequence] = []
         self._by_request: dict[str, Sequence] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._draft_down_until = 0.0
         self.num_steps = 0
 
     # ---------------------------------------------------------------- GenerationBackend
@@ -183,7 +189,7 @@ class Scheduler:
         self._reap()
         await self._release()
         await self._admit_waiting()
-        active = [s for s in self._running if not s.finished]
+        active = [s for s in self._running if not s.finished and not s.needs_target_prefill]
         if active:
             await self._step(active)
             self.num_steps += 1
@@ -193,7 +199,7 @@ class Scheduler:
         keep = []
         for seq in self._running:
             if seq.finished:
-                self._to_release.append(seq.seq_id)
+                self._to_release.append(seq)
             else:
                 keep.append(seq)
         self._running = keep
@@ -201,14 +207,30 @@ class Scheduler:
             self._waiting.popleft()
 
     async def _release(self) -> None:
+        """Release finished sequences on the pods that hold them (one batched call per pod)."""
         if not self._to_release:
             return
-        seq_ids, self._to_release = self._to_release, []
-        pods = [self.target] + ([self.draft] if self.draft else [])
-        results = await asyncio.gather(*(pod.release(seq_ids) for pod in pods), return_exceptions=True)
+        seqs, self._to_release = self._to_release, []
+        by_pod: dict[object, list[str]] = defaultdict(list)
+        for seq in seqs:
+            for pod in (seq.target, seq.draft):
+                if pod is not None:
+                    by_pod[pod].append(seq.seq_id)
+        pods = list(by_pod)
+        results = await asyncio.gather(*(pod.release(by_pod[pod]) for pod in pods), return_exceptions=True)
         for pod, result in zip(pods, results):
-            if isinstance(result, Exception):  # the pod frees finished sequences itself; log and move on
+            if isinstance(result, Exception):  # the target frees finished sequences itself; log and move on
                 logger.warning("release on %s failed: %s", pod.address, result)
+
+    def _route_target(self, seq: Sequence) -> bool:
+        """Keep a sequence on its target pod while that pod is up; otherwise move it (its KV is gone)."""
+        if seq.target is not None and not self.targets.is_down(seq.target):
+            return True
+        if seq.target is not None:  # the pod it lived on failed: rebuild its KV elsewhere from the committed list
+            seq.needs_target_prefill = seq.num_output > 0
+            seq.features.reset(None)
+        seq.target = self.targets.route(seq.seq_id)
+        return seq.target is not None
 
     async def _admit_waiting(self) -> None:
         new: list[Sequence] = []
@@ -216,22 +238,38 @@ class Scheduler:
             seq = self._waiting.popleft()
             if not seq.finished:
                 new.append(seq)
-        resync = [s for s in self._running if s.needs_target_prefill]
+        resync = [s for s in self._running if s.needs_target_prefill and not s.finished]
         if not (new or resync):
             return
+        self._running.extend(new)
+        groups: dict[object, list[Sequence]] = defaultdict(list)
+        for seq in [*new, *resync]:
+            if self._route_target(seq):
+                groups[seq.target].append(seq)
+            else:
+                seq.fail(Unavailable("no target pod is reachable"))
+        await asyncio.gather(*(self._prefill_on(pod, group) for pod, group in groups.items()))
+
+    async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
         feats = self.spec.needs_features
-        items = [TargetPrefillItem(s.seq_id, s.committed[:], True, s.params.sampling, s.stop, feats) for s in new]
-        items += [TargetPrefillItem(s.seq_id, s.committed[:], False, s.params.sampling, s.stop, feats)
-                  for s in resync]
+        items = [TargetPrefillItem(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats)
+                 for s in seqs]
         try:
-            results = await self.target.prefill(items)
-        except (PodUnavailable, ValueError) as exc:
-            for seq in [*new, *resync]:
-                seq.fail(Unavailable(f"target unavailable: {exc}"))
-            self._running.extend(new)
+            results = await pod.prefill(items)
+        except ValueError as exc:
+            for seq in seqs:
+                seq.fail(InvalidRequest(f"target rejected the prompt: {exc}"))
             return
-        for seq, result in zip([*new, *resync], results):
+        except PodUnavailable as exc:
+            self.targets.mark_down(pod, str(exc))
+            for seq in seqs:  # retried on another pod next iteration, a bounded number of times
+                seq.target_failures += 1
+                seq.needs_target_prefill = True
+                if seq.target_failures > self.config.max_pod_failures:
+                    seq.fail(Unavailable(f"target unavailable: {exc}"))
+            return
+        for seq, result in zip(seqs, results):
             seq.needs_target_prefill = False
             if feats:
                 seq.features.reset(result.features)
@@ -241,22 +279,31 @@ class Scheduler:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
-        self._running.extend(new)
-
-    def _draft_usable(self) -> bool:
-        return self.draft is not None and self.spec.enabled and time.monotonic() >= self._draft_down_until
 
     async def _propose(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
-        """Trees per sequence from the draft pod; {} when the draft is unusable (target-only step)."""
-        if not self._draft_usable():
+        """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
+        pod get no tree (a target-only step)."""
+        if not self.spec.enabled or not len(self.drafts):
             return {}
+        if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
+            seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
+        groups: dict[object, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            if seq.draft is None or self.drafts.is_down(seq.draft):
+                seq.draft = self.drafts.route(seq.seq_id)
+                seq.draft_synced_len = 0
+            if seq.draft is not None:
+                groups[seq.draft].append(seq)
+        trees: dict[str, tuple[list[int], list[int]]] = {}
+        for part in await asyncio.gather(*(self._propose_on(pod, group) for pod, group in groups.items())):
+            trees.update(part)
+        return trees
+
+    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
         try:
-            if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
-                seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
             if unsynced:
-                statuses = await self.draft.prefill([(s.seq_id, s.committed[:], self._features(s, 0))
-                                                     for s in unsynced])
+                statuses = await pod.prefill([(s.seq_id, s.committed[:], self._features(s, 0)) for s in unsynced])
                 for seq, status in zip(unsynced, statuses):
                     if status == STATUS_OK:
                         seq.draft_synced_len = len(seq.committed)
@@ -264,12 +311,13 @@ class Scheduler:
             items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], self.spec.num_steps,
                                  self.spec.topk, self.spec.num_draft_tokens,
                                  self._features(s, s.draft_synced_len - 1)) for s in ready]
-            proposals = await self.draft.propose(items) if items else []
-        except PodUnavailable as exc:
-            logger.warning("draft pod unusable, continuing target-only: %s", exc)
-            self._draft_down_until = time.monotonic() + self.config.draft_retry_s
+            proposals = await pod.propose(items) if items else []
+        except (PodUnavailable, ValueError) as exc:
+            if isinstance(exc, PodUnavailable):
+                self.drafts.mark_down(pod, str(exc))
+            logger.warning("draft pod %s unusable, these sequences step target-only: %s", pod.address, exc)
             for seq in seqs:
-                seq.draft_synced_len = 0
+                seq.draft, seq.draft_synced_len = None, 0
             return {}
         trees = {}
         by_id = {s.seq_id: s for s in ready}
@@ -290,16 +338,32 @@ class Scheduler:
 
     async def _step(self, seqs: list[Sequence]) -> None:
         trees = await self._propose(seqs)
+        groups: dict[object, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            if self._route_target(seq) and not seq.needs_target_prefill:
+                groups[seq.target].append(seq)
+            elif seq.target is None:
+                seq.fail(Unavailable("no target pod is reachable"))
+        await asyncio.gather(*(self._verify_on(pod, group, trees) for pod, group in groups.items()))
+
+    async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
         items = []
         for seq in seqs:
             tokens, parents = trees.get(seq.seq_id, ([], []))
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
                                     seq.params.sampling, seq.stop, self.spec.needs_features))
         try:
-            results = await self.target.verify(items)
-        except (PodUnavailable, ValueError) as exc:
+            results = await pod.verify(items)
+        except ValueError as exc:
             for seq in seqs:
-                seq.fail(Unavailable(f"target unavailable: {exc}"))
+                seq.fail(GatewayError(f"target rejected the step: {exc}"))
+            return
+        except PodUnavailable as exc:
+            self.targets.mark_down(pod, str(exc))
+            for seq in seqs:  # next iteration re-prefills them on another pod from the committed tokens
+                seq.target_failures += 1
+                if seq.target_failures > self.config.max_pod_failures:
+                    seq.fail(Unavailable(f"target unavailable: {exc}"))
             return
         for seq, result in zip(seqs, results):
             if seq.finished:  # aborted while the step was in flight

@@ -25,7 +25,10 @@ class Sequence:
         self.aborted = False
         self.needs_target_prefill = False  # set when the target answered STALE: re-sync from `committed`
         self.draft_synced_len = 0  # committed tokens the draft pod knows; 0 = it must be (re-)prefilled
-        self.features = FeatureLog()  # target features of committed[:-1], for feature-based drafts
+        self.features = FeatureLog()
+        self.target = None  # TargetClient of the pod holding this sequence's KV (sticky while it is up)
+        self.draft = None  # DraftClient of its draft pod, None = unassigned
+        self.target_failures = 0  # target features of committed[:-1], for feature-based drafts
         self.verify_steps = 0
         self.accepted_draft_tokens = 0
         self.proposed_draft_tokens = 0

@@ -30,13 +30,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve)
     add_spec_args(serve)
     add_gateway_args(serve)
-    serve.add_argument("--target-port", type=int, default=0, help="gRPC port of the target (0 = pick a free one)")
-    serve.add_argument("--draft-port", type=int, default=0, help="gRPC port of the draft (0 = pick a free one)")
+    serve.add_argument("--target-port", type=int, default=0,
+                       help="gRPC port of the first target replica, the next ones count up (0 = pick free ones)")
+    serve.add_argument("--draft-port", type=int, default=0,
+                       help="gRPC port of the first draft replica, the next ones count up (0 = pick free ones)")
+    serve.add_argument("--num-target-replicas", type=int, default=1, help="target service processes")
+    serve.add_argument("--num-draft-replicas", type=int, default=1, help="draft service processes")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
     _common(serve)
 
     target = sub.add_parser("target", help="run the target service")
     add_model_args(target)
+    add_spec_args(target)  # feature-based drafts decide which hidden states the target captures
     _service_addr(target, 30010)
     _common(target)
 
@@ -50,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(gateway)
     add_spec_args(gateway)
     add_gateway_args(gateway)
-    gateway.add_argument("--target-address", required=True, help="HOST:PORT of the target service")
-    gateway.add_argument("--draft-address", default=None, help="HOST:PORT of the draft service")
+    gateway.add_argument("--target-address", required=True,
+                         help="HOST:PORT of the target service; several pods: comma-separated")
+    gateway.add_argument("--draft-address", default=None,
+                         help="HOST:PORT of the draft service; several pods: comma-separated")
     gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
     _common(gateway)
     return parser
@@ -59,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "draft", "gateway"):
+    if args.command in ("serve", "target", "draft", "gateway"):
         (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
          args.speculative_num_draft_tokens) = resolve_spec(args)
     if args.command == "serve":

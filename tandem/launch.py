@@ -52,26 +52,33 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The child command lines, by service name."""
+    """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway)."""
     base = [sys.executable, "-m", "tandem.cli"]
     host = "127.0.0.1"
-    target_port = args.target_port or _free_port(host)
-    cmds = {"target": [*base, "target", *_model_flags(args), "--service-host", host,
-                       "--service-port", str(target_port)]}
-    gateway = [*base, "gateway", *_model_flags(args), *_spec_flags(args), "--target-address", f"{host}:{target_port}",
+    cmds: dict[str, list[str]] = {}
+    target_addrs, draft_addrs = [], []
+    for i in range(args.num_target_replicas):
+        port = args.target_port + i if args.target_port else _free_port(host)
+        cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
+                               "--service-port", str(port)]
+        target_addrs.append(f"{host}:{port}")
+    if args.speculative_algorithm != "NONE":
+        for i in range(args.num_draft_replicas):
+            port = args.draft_port + i if args.draft_port else _free_port(host)
+            cmds[f"draft-{i}"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
+                                  "--service-port", str(port)]
+            draft_addrs.append(f"{host}:{port}")
+    gateway = [*base, "gateway", *_model_flags(args), *_spec_flags(args), "--target-address", ",".join(target_addrs),
                "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
                "--max-running-requests", str(args.max_running_requests),
                "--max-queued-requests", str(args.max_queued_requests),
                "--request-timeout", str(args.request_timeout), "--startup-timeout", str(args.startup_timeout)]
+    if draft_addrs:
+        gateway += ["--draft-address", ",".join(draft_addrs)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:
         gateway += ["--tokenizer-path", args.tokenizer_path]
-    if args.speculative_algorithm != "NONE":
-        draft_port = args.draft_port or _free_port(host)
-        cmds["draft"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
-                         "--service-port", str(draft_port)]
-        gateway += ["--draft-address", f"{host}:{draft_port}"]
     cmds["gateway"] = gateway
     return cmds
 

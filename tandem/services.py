@@ -98,25 +98,24 @@ async def run_gateway(args: argparse.Namespace) -> None:
     from gateway.tokenizer import Tokenizer
 
     path = model_path(args)
-    target = TargetClient(args.target_address)
-    draft = DraftClient(args.draft_address) if args.draft_address else None
-    info = await _wait_for_pod(target, "target", args.startup_timeout)
-    if draft is not None:
-        await _wait_for_pod(draft, "draft", args.startup_timeout)
+    targets = [TargetClient(a) for a in _addresses(args.target_address)]
+    drafts = [DraftClient(a) for a in _addresses(args.draft_address)]
+    infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
+    await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
+    info = infos[0]
     tokenizer = Tokenizer(args.tokenizer_path or path)
     name = args.served_model_name or Path(path).name
     spec = SpecConfig(args.speculative_algorithm or "NONE", args.speculative_num_steps or 0,
                       args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or 1)
     eos = sorted({*info.eos_token_ids, *tokenizer.eos_token_ids})
-    scheduler = Scheduler(target=target, draft=draft, tokenizer=tokenizer, model_name=name,
+    scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
                           spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
                                                             args.request_timeout))
     await scheduler.start()
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
-                        target_addresses=[args.target_address],
-                        draft_addresses=[args.draft_address] if args.draft_address else [])
+                        target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
     grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
                                            args.grpc_port)
     app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len)
@@ -129,6 +128,11 @@ async def run_gateway(args: argparse.Namespace) -> None:
     finally:
         await grpc_server.stop(grace=1.0)
         await scheduler.close()
+
+
+def _addresses(value: str | None) -> list[str]:
+    """HOST:PORT[,HOST:PORT...] → list."""
+    return [a.strip() for a in (value or "").split(",") if a.strip()]
 
 
 def main_async(fn, args: argparse.Namespace) -> None:

@@ -70,7 +70,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         servers.append(server)
         draft = DraftClient(f"127.0.0.1:{port}")
     info = await target.info()
-    scheduler = Scheduler(target=target, draft=draft, tokenizer=None, model_name="tiny",
+    scheduler = Scheduler(targets=[target], drafts=[draft] if draft else [], tokenizer=None, model_name="tiny",
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size,
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
