@@ -61,11 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="HOST:PORT of the draft service; several pods: comma-separated")
     gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
     _common(gateway)
+
+    from tandem.envoy import add_envoy_config_args
+
+    add_envoy_config_args(sub.add_parser("envoy-config", help="write the Envoy edge config for the gateways"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "envoy-config":
+        from tandem.envoy import run
+
+        sys.exit(run(args))
     if args.command in ("serve", "target", "draft", "gateway"):
         (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
          args.speculative_num_draft_tokens) = resolve_spec(args)
