@@ -28,20 +28,22 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + dim, mask=inside)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + dim, mask=inside)
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs  # the cache is contiguous: a slot is kvh * hd elements
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=inside)
+    tl.store(k_cache_ptr + dst, k, mask=inside)
+    tl.store(v_cache_ptr + dst, v, mask=inside)
 
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """k, v: (N, kvh, hd), last dim contiguous; k_cache, v_cache: (num_blocks, block_size, kvh, hd) or
-    (num_slots, kvh, hd), contiguous; slot_mapping: (N,) int32/int64, -1 = skip the row."""
+    (num_slots, kvh, hd), contiguous, k's dtype; slot_mapping: (N,) int32/int64, -1 = skip the row."""
     check(k.dim() == 3 and v.shape == k.shape, f"k, v must be (N, kvh, hd), got {tuple(k.shape)}, {tuple(v.shape)}")
     num_tokens, num_kv_heads, head_dim = k.shape
     check(k.stride(2) == 1 and v.stride(2) == 1, "k, v must be contiguous in head_dim")
     check(k.dtype in FLOAT_DTYPES and v.dtype == k.dtype, f"k, v dtype {k.dtype}/{v.dtype} unsupported")
     check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype, "k_cache and v_cache must match")
+    # No casting here: the interpreter rounds fp32 -> bf16 differently from torch, and the engine never needs it.
+    check(k_cache.dtype == k.dtype, f"k dtype {k.dtype} != cache dtype {k_cache.dtype}")
     check(k_cache.dim() in (3, 4) and tuple(k_cache.shape[-2:]) == (num_kv_heads, head_dim),
           f"cache shape {tuple(k_cache.shape)} does not end in (kvh={num_kv_heads}, hd={head_dim})")
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
@@ -64,5 +66,5 @@ def store_kv_ref(
     flat_v = v_cache.view(-1, *v_cache.shape[-2:])
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    flat_k[slots] = k[keep].to(flat_k.dtype)
-    flat_v[slots] = v[keep].to(flat_v.dtype)
+    flat_k[slots] = k[keep]
+    flat_v[slots] = v[keep]
