@@ -30,6 +30,9 @@ class SeqForward:
     parents: list[int] | None = None
     logits: str = "last"  # "last" | "all" | "none": which of the T tokens get logits
     capture_hidden: bool = False  # also return the final-norm hidden state of the logits rows
+    # (T, F) per-token input features for feature-based draft models (EAGLE); None for plain LMs. All SeqForwards of
+    # one forward either carry them or not.
+    input_features: torch.Tensor | None = None
 
 
 @dataclass
@@ -60,8 +63,14 @@ class _SeqState:
 
 class ModelRunner:
     def __init__(
-        self, model_path: str | None, engine_config: EngineConfig, model_config: ModelConfig | None = None
+        self,
+        model_path: str | None,
+        engine_config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
+        """model: an already loaded module (e.g. an EAGLE draft head built by its own loader) to run instead of
+        loading one from model_path; model_config then only describes its KV shape."""
         if model_config is None:
             if model_path is None:
                 raise ValueError("need a model_path or a model_config")
@@ -70,7 +79,7 @@ class ModelRunner:
         self.engine_config = engine_config
         self.device = torch.device(engine_config.device)
         self.dtype = resolve_dtype(engine_config, model_config)
-        self.model = load_model(model_path, model_config, engine_config)
+        self.model = model if model is not None else load_model(model_path, model_config, engine_config)
         num_blocks = engine_config.resolved_num_kv_blocks
         self.block_manager = BlockManager(num_blocks, engine_config.block_size)
         self.kv_pool = KVPool(
@@ -155,7 +164,10 @@ class ModelRunner:
         self._reserve_kv(batch)
         fb, new_regions = self._build_forward_batch(batch, mode)
         self.attn_backend.init_forward_metadata(fb)
-        out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers)
+        extra = {}
+        if batch[0].input_features is not None:  # _validate made it all-or-none
+            extra["input_features"] = torch.cat([sf.input_features for sf in batch]).to(self.device)  # (N, F)
+        out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
         rows_hidden = out.hidden[fb.logits_indices]  # (num_logit_rows, H)
         logits = self.model.compute_logits(rows_hidden) if rows_hidden.shape[0] else None
         result = ForwardOutput(logits=[], hidden=[], aux_hidden=[])
@@ -193,6 +205,7 @@ class ModelRunner:
             raise ValueError("forward needs at least one SeqForward")
         seen: set[str] = set()
         vocab = self.model_config.vocab_size
+        with_features = batch[0].input_features is not None
         for sf in batch:
             if sf.seq_id in seen:
                 raise ValueError(f"seq {sf.seq_id!r} appears twice in one forward")
@@ -205,6 +218,13 @@ class ModelRunner:
                 raise ValueError(f"seq {sf.seq_id!r}: token id outside [0, {vocab})")
             if sf.logits not in LOGITS_MODES:
                 raise ValueError(f"seq {sf.seq_id!r}: logits must be one of {LOGITS_MODES}, got {sf.logits!r}")
+            if (sf.input_features is not None) != with_features:
+                raise ValueError("input_features must be given for all sequences of a forward or for none")
+            if with_features and (sf.input_features.dim() != 2 or sf.input_features.shape[0] != num_tokens):
+                raise ValueError(
+                    f"seq {sf.seq_id!r}: input_features must be (T={num_tokens}, F), "
+                    f"got {tuple(sf.input_features.shape)}"
+                )
             if sf.positions is not None and len(sf.positions) != num_tokens:
                 raise ValueError(f"seq {sf.seq_id!r}: {len(sf.positions)} positions for {num_tokens} tokens")
             if sf.parents is None:

@@ -13,6 +13,9 @@ _LAZY: dict[str, str] = {
     "MistralForCausalLM": "runtime.models.llama",
     "Qwen2ForCausalLM": "runtime.models.llama",
     "Qwen3ForCausalLM": "runtime.models.llama",
+    # Feature-based draft heads: built by their own loaders (they share tensors with the target), see eagle*.py.
+    "LlamaForCausalLMEagle": "runtime.models.eagle",
+    "LlamaForCausalLMEagle3": "runtime.models.eagle3",
 }
 
 
