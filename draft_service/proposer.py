@@ -10,6 +10,8 @@ import abc
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from runtime.speculative.tree import DraftTree
 
 
@@ -33,6 +35,9 @@ class ProposeInput:
     committed_len: int
     new_token_ids: list[int]
     spec: SpecShape
+    # (len(new_token_ids), F) for feature drafts (EAGLE): row i is the target feature of the token just before
+    # new_token_ids[i]. None for proposers that need only token ids.
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,14 +53,20 @@ class Proposer(abc.ABC):
     """Base class: tracks committed tokens per sequence; subclasses draft."""
 
     algorithm: str = ""
+    needs_features: bool = False  # True: prefill and propose must carry target features
 
     def __init__(self) -> None:
         self._tokens: dict[str, list[int]] = {}
 
-    def prefill(self, seq_id: str, token_ids: list[int]) -> Status:
+    def prefill(self, seq_id: str, token_ids: list[int], features: torch.Tensor | None = None) -> Status:
+        """features: (len(token_ids) - 1, F), row i = the target feature of token_ids[i] (feature drafts only)."""
         self.release([seq_id])
+        if self.needs_features and not _rows_ok(features, max(len(token_ids) - 1, 0)):
+            return Status.INVALID
         self._tokens[seq_id] = list(token_ids)
         self._on_prefill(seq_id)
+        if features is not None and self.needs_features:
+            self._on_features(seq_id, features)
         return Status.OK
 
     def propose(self, inputs: list[ProposeInput]) -> list[ProposeOutput]:
@@ -66,12 +77,17 @@ class Proposer(abc.ABC):
             outputs.append(out)
             tokens = self._tokens.get(inp.seq_id)
             start = inp.committed_len - len(inp.new_token_ids)
+            if self.needs_features and not _rows_ok(inp.features, len(inp.new_token_ids)):
+                out.status, out.error = Status.INVALID, "features must be (len(new_token_ids), F)"
+                continue
             if tokens is None or start < 0 or start > len(tokens):
                 out.status, out.error = Status.STALE, "unknown sequence or committed tokens missing"
                 continue
             del tokens[start:]
             tokens.extend(inp.new_token_ids)
             self._on_rollback(inp.seq_id, start)
+            if self.needs_features and inp.new_token_ids:
+                self._on_features(inp.seq_id, inp.features)
             ready.append(inp)
         trees = self._draft(ready) if ready else []
         by_id = {o.seq_id: o for o in outputs}
@@ -105,6 +121,16 @@ class Proposer(abc.ABC):
     def _on_release(self, seq_id: str) -> None:
         pass
 
+    def _on_features(self, seq_id: str, features: torch.Tensor) -> None:
+        """(n, F) target features of committed tokens [C-1-n, C-1), C = the committed length now: each is the feature
+        of the token just before one of the last n committed tokens (row 0 is meaningless when C-1-n = -1)."""
+
     @abc.abstractmethod
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         """One tree per input, rooted at the last committed token (`self._tokens[seq_id][-1]`)."""
+
+
+def _rows_ok(features: torch.Tensor | None, num_rows: int) -> bool:
+    if features is None:
+        return num_rows == 0
+    return features.dim() == 2 and features.shape[0] == num_rows
