@@ -208,8 +208,8 @@ def _cluster_base(name: str, addresses: list[str]) -> dict:
 
 
 def _health_timing(cfg: EdgeConfig) -> dict:
-    return {"timeout": "2s", "interval": _dur(cfg.health_interval_s), "no_traffic_interval": _dur(cfg.no_traffic_interval_s),
-            "unhealthy_threshold": 2, "healthy_threshold": 1}
+    return {"timeout": "2s", "interval": _dur(cfg.health_interval_s),
+            "no_traffic_interval": _dur(cfg.no_traffic_interval_s), "unhealthy_threshold": 2, "healthy_threshold": 1}
 
 
 def _socket(host: str, port: int) -> dict:
