@@ -18,10 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None):
+    def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None, metrics=None):
         self.proposer = proposer
         self.model_path = model_path
         self.info = info or {}
+        self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
 
     async def _run(self, fn, *args):
@@ -34,10 +35,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     async def Prefill(self, request: pb.DraftPrefillRequest, context) -> pb.DraftPrefillResponse:
         start = time.perf_counter()
 
+        try:
+            inputs = convert.prefill_inputs(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
         def run():
-            return [(s.seq_id, self.proposer.prefill(s.seq_id, list(s.token_ids))) for s in request.seqs]
+            return [(seq_id, self.proposer.prefill(seq_id, tokens, features)) for seq_id, tokens, features in inputs]
 
         results = await self._run(run)
+        if self.metrics is not None:
+            self.metrics.observe_forward("Prefill", time.perf_counter() - start, len(request.seqs))
         return pb.DraftPrefillResponse(
             results=[pb.DraftPrefillResult(seq_id=seq_id, status=int(status)) for seq_id, status in results],
             memory=self._memory(), timings=pb.StepTimings(total_ms=(time.perf_counter() - start) * 1e3))
@@ -50,6 +58,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = await self._run(self.proposer.propose, inputs)
         elapsed = (time.perf_counter() - start) * 1e3
+        if self.metrics is not None:
+            self.metrics.observe_forward("Propose", elapsed / 1e3, len(inputs))
         return pb.ProposeResponse(results=[convert.propose_result(o) for o in outputs], memory=self._memory(),
                                   timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
 
@@ -62,11 +72,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                             protocol=PROTOCOL, **self.info)
 
 
-async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None):
-    """Start the draft gRPC server; returns (server, bound_port)."""
-    servicer = DraftServicer(proposer, model_path, info)
+async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,
+                      metrics=None, credentials=None):
+    """Start the draft gRPC server; returns (server, bound_port).
+    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS."""
+    servicer = DraftServicer(proposer, model_path, info, metrics)
+    if metrics is not None:
+        metrics.bind_memory(lambda: (*proposer.memory(), proposer.num_seqs))
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
-        [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port)
+        [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port,
+        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
     logger.info("draft service (%s) listening on %s:%d", proposer.algorithm, host, bound)
     return server, bound

@@ -28,7 +28,7 @@ from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, Generat
 logger = logging.getLogger(__name__)
 
 _FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
-FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
+FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")  # tandem.args normalises NEXTN to EAGLE
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny-code"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-tiny-code-draft"
-ALGORITHMS = ("NONE", "STANDALONE", "NGRAM")
+ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
 def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
@@ -33,9 +34,13 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=[*ALGORITHMS, None],
-                   help="STANDALONE (small draft LLM) or NGRAM (n-gram trie); unset = plain decoding")
+                   help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head) or "
+                        "NGRAM (n-gram trie); unset = plain decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
-                   default=None, help="draft model folder for STANDALONE (default: the bundled tiny draft)")
+                   default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled tiny "
+                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3")
+    g.add_argument("--speculative-token-map", default=None,
+                   help="FR-Spec hot-token file (torch.load-able list of target ids) for EAGLE; ignored for EAGLE3")
     g.add_argument("--speculative-draft-load-format", default=None, choices=["auto", "safetensors", "dummy"],
                    help="load format of the draft model (default: --load-format)")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
@@ -77,6 +82,10 @@ def read_architecture(path: str) -> str:
 def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     """(algorithm, num_steps, topk, num_draft_tokens) after SGLang's auto-defaults and checks."""
     algorithm = args.speculative_algorithm or "NONE"
+    if algorithm == "NEXTN":  # SGLang's alias
+        algorithm = "EAGLE"
+    if algorithm in FEATURE_ALGORITHMS and not args.speculative_draft_model_path:
+        raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path (the head)")
     if algorithm == "NONE":
         if any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
                                        args.speculative_num_draft_tokens)):

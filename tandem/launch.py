@@ -46,6 +46,8 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
              "--speculative-ngram-capacity", str(args.speculative_ngram_capacity)]
     if args.speculative_draft_model_path:
         flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
+    if args.speculative_token_map:
+        flags += ["--speculative-token-map", args.speculative_token_map]
     if args.speculative_draft_load_format:
         flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
     return flags

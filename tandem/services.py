@@ -40,9 +40,26 @@ async def run_target(args: argparse.Namespace) -> None:
     path = model_path(args)
     runner = ModelRunner(None if args.load_format == "dummy" and not Path(path).exists() else path,
                          _engine_config(args))
-    server, port = await serve_target(TargetEngine(runner), path, args.service_host, args.service_port)
+    server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
+                                      args.service_host, args.service_port)
     print(f"tandem target ready on {args.service_host}:{port}", flush=True)
     await _serve_until_signal(server)
+
+
+def _feature_capture(args: argparse.Namespace, runner) -> dict:
+    """Which hidden states the target returns for feature drafts: EAGLE-3 aux layers or EAGLE's final hidden."""
+    algorithm = getattr(args, "speculative_algorithm", "NONE")
+    if algorithm == "EAGLE":
+        return {"final_norm_features": True}
+    if algorithm == "EAGLE3":
+        import json
+
+        from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
+
+        config = json.loads((Path(args.speculative_draft_model_path) / "config.json").read_text())
+        layers = eagle3_capture_layers(runner.model_config.num_layers, eagle3_aux_layer_ids(config))
+        return {"feature_layers": layers}
+    return {}
 
 
 def build_proposer(args: argparse.Namespace):
@@ -63,6 +80,12 @@ def build_proposer(args: argparse.Namespace):
         path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
         runner = ModelRunner(path, _engine_config(args, args.speculative_draft_load_format))
         return StandaloneProposer(runner), path
+    if algorithm in ("EAGLE", "EAGLE3"):
+        from draft_service.eagle import EagleProposer
+
+        path = str(args.speculative_draft_model_path)
+        return EagleProposer(model_path(args), path, _engine_config(args, args.speculative_draft_load_format),
+                             algorithm, token_map=args.speculative_token_map), path
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
 
 

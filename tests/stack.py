@@ -50,12 +50,19 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
 
     engine_config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=max_total_tokens)
     target_runner = ModelRunner(str(target_path), engine_config)
+    proposer = None
+    capture = {}
+    if algorithm in ("EAGLE", "EAGLE3"):
+        from draft_service.eagle import EagleProposer
+
+        proposer = EagleProposer(str(target_path), str(draft_path), engine_config, algorithm)
+        capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
+                   else {"final_norm_features": True})
     servers = []
-    server, port = await serve_target(TargetEngine(target_runner), str(target_path), "127.0.0.1", 0)
+    server, port = await serve_target(TargetEngine(target_runner, **capture), str(target_path), "127.0.0.1", 0)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
     draft = None
-    proposer = None
     if algorithm == "STANDALONE":
         from draft_service.standalone import StandaloneProposer
 
