@@ -115,10 +115,13 @@ def _stop(s: SeqStop) -> pb.StopParams:
 
 
 class _Client:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if credentials is not None:  # TLS / mTLS to the pod (protos.wire.channel_credentials)
+            self.channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
 
     async def _call(self, method, request, timeout_s: float | None = None):
         try:
@@ -135,8 +138,8 @@ class _Client:
 
 
 class TargetClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 120.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 120.0, credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, timeout_s, credentials)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
@@ -167,8 +170,8 @@ class TargetClient(_Client):
 
 
 class DraftClient(_Client):
-    def __init__(self, address: str, timeout_s: float = 60.0):
-        super().__init__(address, timeout_s)
+    def __init__(self, address: str, timeout_s: float = 60.0, credentials: grpc.ChannelCredentials | None = None):
+        super().__init__(address, timeout_s, credentials)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem,
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
+from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
 from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
@@ -57,6 +58,7 @@ class SchedulerConfig:
     request_timeout_s: float = 600.0
     pod_retry_s: float = 5.0  # how long a failed pod is left alone before it is tried again
     max_pod_failures: int = 3  # pod failures one request survives (each moves it to another pod)
+    max_prompt_tokens: int | None = None  # longer prompts are refused (400); None = only the context bounds them
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -68,7 +70,7 @@ class Scheduler:
 
     def __init__(self, *, targets: list[TargetClient], drafts: list[DraftClient], tokenizer, model_name: str,
                  max_context_len: int, vocab_size: int, eos_token_ids: list[int], spec: SpecConfig,
-                 config: SchedulerConfig = SchedulerConfig()):
+                 config: SchedulerConfig = SchedulerConfig(), metrics: GatewayMetrics | None = None):
         if not targets:
             raise ValueError("at least one target pod is needed")
         self.targets = PodPool(targets, config.pod_retry_s)
@@ -89,6 +91,9 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_steps = 0
+        self.metrics = metrics or GatewayMetrics()
+        self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
+                          pools={"target": self.targets, "draft": self.drafts})
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -108,7 +113,12 @@ class Scheduler:
         return self._task is not None and not self._task.done()
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
-        seq = self._admit(params)
+        try:
+            seq = self._admit(params)
+        except GatewayError as exc:
+            self.metrics.on_rejected(params.request_id, exc)
+            raise
+        self.metrics.on_admitted(seq)
         try:
             while True:
                 remaining = seq.deadline - time.monotonic()
@@ -116,6 +126,7 @@ class Scheduler:
                     item = await asyncio.wait_for(seq.queue.get(), timeout=max(remaining, 0.0) + 5.0)
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded("request deadline exceeded") from None
+                self.metrics.on_item(seq, item)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -127,6 +138,7 @@ class Scheduler:
                 seq.aborted = True
                 self._wakeup.set()
             self._by_request.pop(seq.request_id, None)
+            self.metrics.on_closed(seq)
 
     async def abort(self, request_id: str) -> bool:
         seq = self._by_request.get(request_id)
@@ -141,6 +153,9 @@ class Scheduler:
         prompt_len = len(params.prompt_token_ids)
         if prompt_len == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
+        if self.config.max_prompt_tokens and prompt_len > self.config.max_prompt_tokens:
+            raise InvalidRequest(f"the prompt has {prompt_len} tokens; this server accepts at most "
+                                 f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", "prompt")
         if max(params.prompt_token_ids) >= self.vocab_size or min(params.prompt_token_ids) < 0:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if params.max_new_tokens < 1:
@@ -191,7 +206,7 @@ class Scheduler:
         await self._admit_waiting()
         active = [s for s in self._running if not s.finished and not s.needs_target_prefill]
         if active:
-            await self._step(active)
+            await self.metrics.timed("step", self._step(active))
             self.num_steps += 1
         self._reap()
 
@@ -256,7 +271,7 @@ class Scheduler:
         items = [TargetPrefillItem(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats)
                  for s in seqs]
         try:
-            results = await pod.prefill(items)
+            results = await self.metrics.timed("prefill", pod.prefill(items))
         except ValueError as exc:
             for seq in seqs:
                 seq.fail(InvalidRequest(f"target rejected the prompt: {exc}"))
@@ -311,7 +326,7 @@ class Scheduler:
             items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], self.spec.num_steps,
                                  self.spec.topk, self.spec.num_draft_tokens,
                                  self._features(s, s.draft_synced_len - 1)) for s in ready]
-            proposals = await pod.propose(items) if items else []
+            proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
         except (PodUnavailable, ValueError) as exc:
             if isinstance(exc, PodUnavailable):
                 self.drafts.mark_down(pod, str(exc))
@@ -353,7 +368,7 @@ class Scheduler:
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
                                     seq.params.sampling, seq.stop, self.spec.needs_features))
         try:
-            results = await pod.verify(items)
+            results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:
             for seq in seqs:
                 seq.fail(GatewayError(f"target rejected the step: {exc}"))
@@ -376,6 +391,7 @@ class Scheduler:
                 seq.fail(GatewayError(f"target rejected the step: {result.error}"))
             else:
                 seq.record_step(result.num_accepted_drafts, result.num_draft_tokens)
+                self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))

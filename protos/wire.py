@@ -65,8 +65,35 @@ def tensor_from_pb(msg: tandem_pb2.Tensor, *, device: str = "cpu"):
     return torch.from_numpy(arr.reshape(shape).copy()).to(device)
 
 
-async def start_server(register, service_names: list[str], host: str, port: int, *, interceptors=()):
-    """Start a grpc.aio server with health (SERVING) and reflection; returns (server, bound_port, health)."""
+def server_credentials(cert_file: str, key_file: str, ca_file: str | None = None):
+    """TLS for a service port from PEM files; with a CA, clients must present a certificate it signed (mTLS)."""
+    import grpc
+
+    ca = _read(ca_file) if ca_file else None
+    return grpc.ssl_server_credentials([(_read(key_file), _read(cert_file))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def channel_credentials(ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None):
+    """TLS for a channel to a service: trust `ca_file` (default: the system roots); cert + key for mTLS."""
+    import grpc
+
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("a client certificate needs its key and vice versa")
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file) if ca_file else None,
+                                        private_key=_read(key_file) if key_file else None,
+                                        certificate_chain=_read(cert_file) if cert_file else None)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+async def start_server(register, service_names: list[str], host: str, port: int, *, interceptors=(),
+                       credentials=None):
+    """Start a grpc.aio server with health (SERVING) and reflection; returns (server, bound_port, health).
+    credentials: `server_credentials(...)` for a TLS port, None for plaintext."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -76,7 +103,8 @@ async def start_server(register, service_names: list[str], host: str, port: int,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     await server.start()

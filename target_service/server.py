@@ -22,9 +22,10 @@ logger = logging.getLogger(__name__)
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, model_path: str):
+    def __init__(self, engine: TargetEngine, model_path: str, metrics=None):
         self.engine = engine
         self.model_path = model_path
+        self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
 
     async def _run(self, fn, *args):
@@ -42,6 +43,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = await self._run(self.engine.prefill, inputs)
+        if self.metrics is not None:
+            self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.TargetPrefillResponse(
             results=[convert.prefill_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
@@ -54,6 +57,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         outputs = await self._run(self.engine.verify, inputs)
+        if self.metrics is not None:
+            self.metrics.observe_forward("Verify", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
@@ -72,11 +77,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             protocol=PROTOCOL, hidden_size=cfg.hidden_size)
 
 
-async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int):
-    """Start the target gRPC server; returns (server, bound_port)."""
-    servicer = TargetServicer(engine, model_path)
+async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
+                       credentials=None):
+    """Start the target gRPC server; returns (server, bound_port).
+    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS."""
+    servicer = TargetServicer(engine, model_path, metrics)
+    if metrics is not None:
+        runner = engine.runner
+        metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
-        [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port)
+        [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,
+        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
     logger.info("target service listening on %s:%d", host, bound)
     return server, bound
