@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels._common import FLOAT_DTYPES, check, check_index, interpreting, next_pow2
 
-_NEG = -1.0e30  # finite "minus infinity": a fully masked block then yields finite garbage that alpha later zeroes
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked block then yields finite garbage that alpha later zeroes
 
 
 @triton.jit
@@ -167,7 +167,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if block_m is None:
         block_m = max(16, next_pow2(group * min(max_query_len, 16)))
-    block_n = block_n or 64
+    # fp32 tiles take twice the registers; fp32 only serves small test models, so keep its key block small.
+    block_n = block_n or (32 if q.dtype == torch.float32 else 64)
     check(block_m >= group and block_m == next_pow2(block_m), f"block_m {block_m}: power of 2, >= group {group}")
     tokens_per_tile = block_m // group
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, tokens_per_tile))

@@ -1,0 +1,68 @@
+"""Compile every kernel ahead of time for sm_90 (H100/H200) at Llama-3.1-8B shapes; needs no GPU. Run as a script
+without TRITON_INTERPRET (the interpreter swaps triton's own jit functions, which breaks code generation); exits
+non-zero on the first kernel that fails and prints 'skip: ...' when this triton cannot target CUDA."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
+    from kernels.compact_kv import _compact_kv_kernel
+    from kernels.paged_attention import _paged_attention_kernel
+    from kernels.store_kv import _store_kv_kernel
+    from kernels.verify_greedy import _verify_greedy_kernel
+
+    cases = []
+    # fp32 is for tiny test models only; at 8B shapes its ptxas run alone takes ~15 s, so it is compiled small.
+    for dtype, has_tree, block_m, head_dim in (("bf16", False, 16, 128), ("bf16", True, 64, 128),
+                                               ("bf16", False, 64, 128), ("fp32", True, 16, 32)):
+        ptr = f"*{dtype}"
+        types = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr, "block_table_ptr": "*i32",
+                 "query_start_ptr": "*i32", "kv_len_ptr": "*i32", "prefix_len_ptr": "*i32", "use_tree_ptr": "*u8",
+                 "tree_mask_ptr": "*u8", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+                 "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_mask": "i32", "mask_width": "i32"}
+        constexprs = {"GROUP": 4, "NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "HEAD_DIM_P2": head_dim,
+                      "PAGE_SIZE": 16, "BLOCK_M": block_m, "BLOCK_N": 64 if dtype == "bf16" else 32, "HAS_TREE": has_tree, "DOT_FP32": dtype == "fp32"}
+        cases.append((f"paged_attention[{dtype},tree={has_tree},block_m={block_m}]", _paged_attention_kernel, types,
+                      constexprs))
+    cases.append(("store_kv", _store_kv_kernel,
+                  {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+                   "slot_ptr": "*i64", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},
+                  {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK": 1024}))
+    cases.append(("compact_kv", _compact_kv_kernel,
+                  {"kv_ptr": "*bf16", "src_ptr": "*i32", "dst_ptr": "*i32", "num_moves": "i32", "plane_stride": "i64"},
+                  {"SLOT_SIZE": 1024, "BLOCK_MOVES": 16, "BLOCK_D": 256}))
+    cases.append(("verify_tree_greedy", _verify_greedy_kernel,
+                  {"candidates_ptr": "*i64", "parents_ptr": "*i32", "target_ptr": "*i64", "accept_index_ptr": "*i32",
+                   "emitted_ptr": "*i32", "accept_len_ptr": "*i32", "stride_c": "i32", "stride_p": "i32",
+                   "stride_t": "i32", "stride_a": "i32", "stride_e": "i32"},
+                  {"NUM_NODES": 65, "BLOCK": 128}))
+    return cases
+
+
+def main() -> int:
+    import triton
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        print("skip: this triton has no ahead-of-time compiler API")
+        return 0
+    if "nvidia" not in triton.backends.backends:
+        print("skip: triton's nvidia backend is not installed")
+        return 0
+    for name, kernel, types, constexprs in _cases():
+        signature = {**types, **{k: "constexpr" for k in constexprs}}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32))
+        if compiled.metadata.shared > 227 * 1024:  # an H100/H200 SM's shared memory
+            print(f"{name}: needs {compiled.metadata.shared} bytes of shared memory")
+            return 1
+        print(f"{name}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
