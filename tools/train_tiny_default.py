@@ -180,11 +180,15 @@ def make_config(shape: dict, vocab_size: int):
     )
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of peak over the wall-clock budget.
+
+    The decay follows elapsed time / budget (not a step count) so that the run still anneals properly
+    when the CPU is shared with other processes and the step rate changes mid-run."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))  # cosine to 10%
+    frac = min(1.0, max(0.0, frac))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def train_model(name, shape, vocab_size, stream, args, minutes, peak_lr, seed, bench_steps=0):
@@ -193,7 +197,7 @@ def train_model(name, shape, vocab_size, stream, args, minutes, peak_lr, seed, b
     model = LlamaForCausalLM(make_config(shape, vocab_size))
     model.train()
     nparams = sum(p.numel() for p in model.parameters())
-    log(f"{name}: {nparams / 1e6:.2f} M params, shape {shape}")
+    log(f"{name}: {nparams / 1e6:.2f} M params, shape {shape}, budget {minutes:.1f} min")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -202,22 +206,20 @@ def train_model(name, shape, vocab_size, stream, args, minutes, peak_lr, seed, b
     g = torch.Generator().manual_seed(seed)
     n = stream.numel() - T - 1
     budget = minutes * 60.0
-    # the step count for the schedule is estimated after a short timing phase, then fixed
-    total_steps = bench_steps or 10**9
     warmup = 30
     t0 = time.time()
-    tokens = 0
-    ema = None
-    step = 0
-    timing_done = bool(bench_steps)
-    while step < total_steps:
+    tokens = step = 0
+    ema = lv = None
+    while True:
+        el = time.time() - t0
+        if (bench_steps and step >= bench_steps) or (not bench_steps and el >= budget):
+            break
         idx = torch.randint(0, n, (B,), generator=g)
         batch = torch.stack([stream[i:i + T + 1] for i in idx.tolist()]).long()
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, total_steps if timing_done else 10**9, peak_lr, warmup)
+            grp["lr"] = lr_at(step, el / budget, peak_lr, warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
-            out = model(input_ids=batch[:, :-1])
-            logits = out.logits.float()
+            logits = model(input_ids=batch[:, :-1]).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -227,25 +229,16 @@ def train_model(name, shape, vocab_size, stream, args, minutes, peak_lr, seed, b
         tokens += B * T
         lv = loss.item()
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
-        el = time.time() - t0
-        if not timing_done and step == 20:
-            per = el / step
-            total_steps = max(step + 10, int(budget / per))
-            timing_done = True
-            log(f"{name}: {per * 1000:.0f} ms/step -> schedule fixed at {total_steps} steps "
-                f"(~{total_steps * B * T / 1e6:.2f} M tokens)")
-        if step % args.log_every == 0 or step == total_steps:
-            log(f"{name} step {step}/{total_steps} loss {lv:.3f} (ema {ema:.3f}) lr {opt.param_groups[0]['lr']:.2e} "
-                f"tok/s {tokens / el:,.0f} tokens {tokens / 1e6:.2f}M elapsed {el:.0f}s")
-        if not bench_steps and el > budget * 1.15:  # hard stop if the machine slowed down
-            log(f"{name}: time budget exceeded, stopping at step {step}")
-            break
+        if step % args.log_every == 0 or step == bench_steps:
+            el = time.time() - t0
+            log(f"{name} step {step} loss {lv:.3f} (ema {ema:.3f}) lr {opt.param_groups[0]['lr']:.2e} "
+                f"tok/s {tokens / el:,.0f} tokens {tokens / 1e6:.2f}M elapsed {el:.0f}/{budget:.0f}s")
     wall = time.time() - t0
     model.eval()
     return model, dict(params=nparams, steps=step, tokens_seen=tokens, final_train_loss_ema=round(ema, 4),
                        final_train_loss_last=round(lv, 4), wall_time_s=round(wall, 1),
                        tokens_per_s=round(tokens / wall), batch=B, context=T, peak_lr=peak_lr,
-                       warmup_steps=warmup, schedule="linear warmup + cosine to 10%",
+                       warmup_steps=warmup, schedule="linear warmup (30 steps) + cosine to 10% over the wall-clock budget",
                        optimizer="AdamW(betas=(0.9,0.95), wd=0.1)", bf16_autocast=args.bf16_autocast,
                        seed=seed)
 
