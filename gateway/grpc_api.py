@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import ApiKeyInterceptor
 from gateway.errors import ErrorInterceptor
 from gateway.tokenizer import Tokenizer
 from gateway.types import (
@@ -122,13 +123,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
 
 
 async def serve_gateway_grpc(servicer: GatewayServicer, host: str, port: int, *,
-                             max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+                             max_message_bytes: int = MAX_MESSAGE_BYTES, api_key: str | None = None
+                             ) -> grpc.aio.Server:
     """Start a grpc.aio server with the Gateway, grpc.health.v1 (SERVING for "" and tandem.v1.Gateway) and
     reflection. Returns the started server; `server.bound_port` is the port bound (useful with port 0) and
-    `server.health` the health servicer (call `enter_graceful_shutdown()` on it before stopping)."""
+    `server.health` the health servicer (call `enter_graceful_shutdown()` on it before stopping).
+    api_key: when set, every RPC but health checks needs `authorization: Bearer <api_key>` metadata."""
     options = [("grpc.max_send_message_length", max_message_bytes),
                ("grpc.max_receive_message_length", max_message_bytes)]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
     pb_grpc.add_GatewayServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -220,3 +220,27 @@ class _PodCollector:
 
     def describe(self):
         return []
+
+
+class HttpMetricsMiddleware:
+    """Pure ASGI middleware counting REST responses in tandem:http_requests_total{path,status}; unknown paths are
+    folded into path="other" so scanners cannot blow up the label set."""
+
+    ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+    def __init__(self, app, counter: Counter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        label = path if path in self.ROUTES else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(label, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -15,13 +15,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.auth import ApiKeyMiddleware
 from gateway.errors import RequestAborted, error_body, http_error
+from gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from gateway.openai_protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
@@ -59,12 +62,15 @@ class PayloadTooLarge(GatewayError):
 def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *, max_model_len: int,
               default_max_tokens: int | None = None,
               health_check: Callable[[], Awaitable[bool] | bool] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
+              metrics: GatewayMetrics | None = None) -> FastAPI:
     """The OpenAI REST app over `backend`.
 
     default_max_tokens: default for chat requests without max_tokens (None = up to the context limit) and for
     completions (None = 16); defaults are clipped to the room left in the context, explicit values are not.
     health_check: /health answers 200 when it returns true; without one, `backend.health()` is used if it exists.
+    api_key: when set, every route but /health and /metrics needs `Authorization: Bearer <api_key>` (else 401).
+    metrics: served at /metrics (default: `backend.metrics` if the backend has one); counts responses by status.
     """
     server = _OpenAIServer(backend, tokenizer, served_model_name, max_model_len=max_model_len,
                            default_max_tokens=default_max_tokens, health_check=health_check,
@@ -76,6 +82,15 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    metrics = metrics if metrics is not None else getattr(backend, "metrics", None)
+    if metrics is not None:
+        async def prometheus() -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        app.add_api_route("/metrics", prometheus, methods=["GET"])
+        app.add_middleware(HttpMetricsMiddleware, counter=metrics.http_requests)  # outermost: sees 401s too
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:

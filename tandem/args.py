@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +66,33 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     g.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     g.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="refuse longer prompts with 400 / INVALID_ARGUMENT (default: only the context bounds them)")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                   help="largest REST request body; bigger ones get 413")
+    g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on REST and 'authorization' metadata on gRPC Generate "
+                        "(/health, /metrics and gRPC health stay open; default: $TANDEM_API_KEY)")
+    t = p.add_argument_group("TLS to the model services (gateway side)")
+    t.add_argument("--service-tls-ca", default=None,
+                   help="PEM CA that signed the services' certificates; set = TLS on every gateway→pod channel")
+    t.add_argument("--service-tls-cert", default=None, help="PEM client certificate for mTLS to the services")
+    t.add_argument("--service-tls-key", default=None, help="PEM key of --service-tls-cert")
+
+
+def add_service_ops_args(p: argparse.ArgumentParser, *, launcher: bool = False) -> None:
+    """Flags of a model service (target/draft) beyond the model: metrics endpoint and TLS of its gRPC port.
+    launcher: `tandem serve` passes them to every model service; --metrics-port is then the first of a range."""
+    g = p.add_argument_group("operations (model services)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="first Prometheus /metrics port of the model services: targets, then drafts, count up "
+                        "(0 = off; the gateway serves /metrics on --port)" if launcher else
+                        "serve Prometheus /metrics over HTTP on this port (0 = off)")
+    g.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics HTTP server")
+    g.add_argument("--tls-cert", default=None, help="PEM certificate of the gRPC port (set with --tls-key = TLS)")
+    g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None,
+                   help="PEM CA of client certificates; set = mTLS (clients must present a certificate it signed)")
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.args import add_gateway_args, add_model_args, add_spec_args, resolve_spec
+from tandem.args import add_gateway_args, add_model_args, add_service_ops_args, add_spec_args, resolve_spec
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json = one JSON object per line (ts, level, logger, msg, request_id, seq_id, ...)")
 
 
 def _service_addr(p: argparse.ArgumentParser, port: int) -> None:
@@ -37,18 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-target-replicas", type=int, default=1, help="target service processes")
     serve.add_argument("--num-draft-replicas", type=int, default=1, help="draft service processes")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
+    add_service_ops_args(serve, launcher=True)
     _common(serve)
 
     target = sub.add_parser("target", help="run the target service")
     add_model_args(target)
     add_spec_args(target)  # feature-based drafts decide which hidden states the target captures
     _service_addr(target, 30010)
+    add_service_ops_args(target)
     _common(target)
 
     draft = sub.add_parser("draft", help="run the draft service")
     add_model_args(draft)
     add_spec_args(draft)
     _service_addr(draft, 30020)
+    add_service_ops_args(draft)
     _common(draft)
 
     gateway = sub.add_parser("gateway", help="run the gateway (speculative loop, OpenAI REST, gRPC Generate)")

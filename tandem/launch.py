@@ -26,7 +26,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model-path", model_path(args), "--device", args.device, "--dtype", args.dtype,
              "--load-format", args.load_format, "--attention-backend", args.attention_backend,
              "--kv-block-size", str(args.kv_block_size), "--random-seed", str(args.random_seed),
-             "--log-level", args.log_level]
+             "--log-level", args.log_level, "--log-format", args.log_format]
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     return flags
@@ -53,6 +53,17 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _service_ops_flags(args: argparse.Namespace, index: int) -> list[str]:
+    """Metrics port (the index-th of the range from --metrics-port) and TLS files of one model service."""
+    flags = []
+    if args.metrics_port:
+        flags += ["--metrics-port", str(args.metrics_port + index), "--metrics-host", args.metrics_host]
+    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if value:
+            flags += [flag, value]
+    return flags
+
+
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway)."""
     base = [sys.executable, "-m", "tandem.cli"]
@@ -62,13 +73,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     for i in range(args.num_target_replicas):
         port = args.target_port + i if args.target_port else _free_port(host)
         cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
-                               "--service-port", str(port)]
+                               "--service-port", str(port), *_service_ops_flags(args, i)]
         target_addrs.append(f"{host}:{port}")
     if args.speculative_algorithm != "NONE":
         for i in range(args.num_draft_replicas):
             port = args.draft_port + i if args.draft_port else _free_port(host)
             cmds[f"draft-{i}"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
-                                  "--service-port", str(port)]
+                                  "--service-port", str(port),
+                                  *_service_ops_flags(args, args.num_target_replicas + i)]
             draft_addrs.append(f"{host}:{port}")
     gateway = [*base, "gateway", *_model_flags(args), *_spec_flags(args), "--target-address", ",".join(target_addrs),
                "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
@@ -81,7 +93,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:
         gateway += ["--tokenizer-path", args.tokenizer_path]
-    cmds["gateway"] = gateway
+    if args.max_prompt_tokens:
+        gateway += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
+    gateway += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    for flag, value in (("--service-tls-ca", args.service_tls_ca), ("--service-tls-cert", args.service_tls_cert),
+                        ("--service-tls-key", args.service_tls_key)):
+        if value:
+            gateway += [flag, value]
+    cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
     return cmds
 
 
@@ -96,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.api_key:  # keeps the key out of `ps`
+        env["TANDEM_API_KEY"] = args.api_key
     try:
         for name, cmd in commands(args).items():
             procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)

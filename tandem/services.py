@@ -41,7 +41,8 @@ async def run_target(args: argparse.Namespace) -> None:
     runner = ModelRunner(None if args.load_format == "dummy" and not Path(path).exists() else path,
                          _engine_config(args))
     server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
-                                      args.service_host, args.service_port)
+                                      args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
+                                      credentials=_server_credentials(args))
     print(f"tandem target ready on {args.service_host}:{port}", flush=True)
     await _serve_until_signal(server)
 
@@ -93,7 +94,8 @@ async def run_draft(args: argparse.Namespace) -> None:
     from draft_service.server import serve_draft
 
     proposer, path = build_proposer(args)
-    server, port = await serve_draft(proposer, path, args.service_host, args.service_port)
+    server, port = await serve_draft(proposer, path, args.service_host, args.service_port,
+                                     metrics=_service_metrics(args, "draft"), credentials=_server_credentials(args))
     print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port}", flush=True)
     await _serve_until_signal(server)
 
@@ -121,8 +123,9 @@ async def run_gateway(args: argparse.Namespace) -> None:
     from gateway.tokenizer import Tokenizer
 
     path = model_path(args)
-    targets = [TargetClient(a) for a in _addresses(args.target_address)]
-    drafts = [DraftClient(a) for a in _addresses(args.draft_address)]
+    creds = _channel_credentials(args)
+    targets = [TargetClient(a, credentials=creds) for a in _addresses(args.target_address)]
+    drafts = [DraftClient(a, credentials=creds) for a in _addresses(args.draft_address)]
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
     info = infos[0]
@@ -134,15 +137,20 @@ async def run_gateway(args: argparse.Namespace) -> None:
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
                           spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
-                                                            args.request_timeout))
+                                                            args.request_timeout,
+                                                            max_prompt_tokens=args.max_prompt_tokens))
     await scheduler.start()
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
     grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
-                                           args.grpc_port)
-    app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
+                                           args.grpc_port, api_key=args.api_key)
+    app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len,
+                    max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics)
+    # JSON logs: let uvicorn's loggers propagate to the root handler instead of installing its own text ones.
+    log_config = None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
+                            log_config=log_config)
     http = uvicorn.Server(config)
     print(f"tandem gateway ready: http://{args.host}:{args.port}/v1 grpc {args.host}:{args.grpc_port} "
           f"model={name} speculative={spec.algorithm}", flush=True)
@@ -153,14 +161,52 @@ async def run_gateway(args: argparse.Namespace) -> None:
         await scheduler.close()
 
 
+def _service_metrics(args: argparse.Namespace, service: str):
+    """A ServiceMetrics served on --metrics-port, or None when the port is 0."""
+    if not args.metrics_port:
+        return None
+    from tandem.observability import ServiceMetrics, start_metrics_server
+
+    metrics = ServiceMetrics(service)
+    server = start_metrics_server(metrics.registry, args.metrics_host, args.metrics_port)
+    logger.info("%s metrics on http://%s:%d/metrics", service, args.metrics_host, server.server_port)
+    return metrics
+
+
+def _server_credentials(args: argparse.Namespace):
+    """TLS (mTLS with --tls-ca) for a model service's gRPC port, or None for plaintext."""
+    if not (args.tls_cert or args.tls_key):
+        if args.tls_ca:
+            raise SystemExit("error: --tls-ca needs --tls-cert and --tls-key")
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise SystemExit("error: --tls-cert and --tls-key go together")
+    from protos.wire import server_credentials
+
+    return server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def _channel_credentials(args: argparse.Namespace):
+    """TLS credentials of the gateway's channels to the pods, or None for plaintext."""
+    if not (args.service_tls_ca or args.service_tls_cert or args.service_tls_key):
+        return None
+    from protos.wire import channel_credentials
+
+    try:
+        return channel_credentials(args.service_tls_ca, args.service_tls_cert, args.service_tls_key)
+    except ValueError as exc:
+        raise SystemExit(f"error: --service-tls-cert/--service-tls-key: {exc}") from None
+
+
 def _addresses(value: str | None) -> list[str]:
     """HOST:PORT[,HOST:PORT...] → list."""
     return [a.strip() for a in (value or "").split(",") if a.strip()]
 
 
 def main_async(fn, args: argparse.Namespace) -> None:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tandem.observability import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
     try:
         asyncio.run(fn(args))
     except KeyboardInterrupt:
