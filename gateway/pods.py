@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import time
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -25,13 +27,13 @@ class PodPool(Generic[C]):
         self.clients = list(clients)
         self.retry_s = retry_s
         self._down_until: dict[str, float] = {}
+        self._retired: set[str] = set()  # pods that left the address list: never routed to again
 
     def __len__(self) -> int:
         return len(self.clients)
 
     def live(self) -> list[C]:
-        now = time.monotonic()
-        return [c for c in self.clients if self._down_until.get(c.address, 0.0) <= now]
+        return [c for c in self.clients if not self.is_down(c)]
 
     def route(self, seq_id: str) -> C | None:
         """The live pod for this sequence, or None when every pod is down."""
@@ -48,7 +50,42 @@ class PodPool(Generic[C]):
         self._down_until.pop(client.address, None)
 
     def is_down(self, client: C) -> bool:
-        return self._down_until.get(client.address, 0.0) > time.monotonic()
+        return client.address in self._retired or self._down_until.get(client.address, 0.0) > time.monotonic()
+
+    def update(self, addresses: list[str], make_client: Callable[[str], C]) -> tuple[list[str], list[str]]:
+        """Make the pool follow a new address list (DNS re-resolution): new pods join, vanished pods retire (their
+        sequences move on their next step). Returns (added, removed)."""
+        current = {c.address for c in self.clients}
+        wanted = set(addresses)
+        added = sorted(wanted - current)
+        removed = sorted(current - wanted)
+        for address in added:
+            self.clients.append(make_client(address))
+            self._retired.discard(address)
+        self._retired.update(removed)
+        self.clients = [c for c in self.clients if c.address not in self._retired]
+        if added or removed:
+            logger.info("pods changed: +%s -%s", added, removed)
+        return added, removed
+
+
+def resolve(target: str) -> list[str]:
+    """`dns:///host:port` → one `ip:port` per address the name resolves to (a headless Service lists every pod);
+    a plain `host:port` stays as it is."""
+    if not target.startswith("dns:///"):
+        return [target]
+    host, _, port = target.removeprefix("dns:///").rpartition(":")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    found = []
+    for family, *_, sockaddr in infos:
+        ip = sockaddr[0]
+        address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        if address not in found:
+            found.append(address)
+    return sorted(found)
 
     async def close(self) -> None:
         for c in self.clients:

@@ -61,9 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(gateway)
     add_gateway_args(gateway)
     gateway.add_argument("--target-address", required=True,
-                         help="HOST:PORT of the target service; several pods: comma-separated")
+                         help="HOST:PORT of the target service; several pods: comma-separated; dns:///NAME:PORT "
+                              "follows every address the name resolves to (a headless Service), re-resolved")
     gateway.add_argument("--draft-address", default=None,
-                         help="HOST:PORT of the draft service; several pods: comma-separated")
+                         help="HOST:PORT of the draft service (same forms as --target-address)")
+    gateway.add_argument("--pod-refresh-interval", type=float, default=10.0,
+                         help="seconds between re-resolutions of dns:/// pod addresses")
     gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
     _common(gateway)
 

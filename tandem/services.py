@@ -140,6 +140,9 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                                             args.request_timeout,
                                                             max_prompt_tokens=args.max_prompt_tokens))
     await scheduler.start()
+    refresher = None
+    if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):
+        refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval))
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
@@ -157,6 +160,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
     try:
         await http.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
     finally:
+        if refresher is not None:
+            refresher.cancel()
         await grpc_server.stop(grace=1.0)
         await scheduler.close()
 
@@ -196,6 +201,34 @@ def _channel_credentials(args: argparse.Namespace):
         return channel_credentials(args.service_tls_ca, args.service_tls_cert, args.service_tls_key)
     except ValueError as exc:
         raise SystemExit(f"error: --service-tls-cert/--service-tls-key: {exc}") from None
+
+
+async def _resolve_all(specs: list[str], deadline_s: float) -> list[str]:
+    """Expand dns:/// names into pod addresses, waiting (with a deadline) until at least one resolves."""
+    from gateway.pods import resolve
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        found = sorted({a for spec in specs for a in resolve(spec)})
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise SystemExit(f"error: none of {specs} resolved to a pod address")
+        await asyncio.sleep(1.0)
+
+
+async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float) -> None:
+    """Follow scaling: re-resolve dns:/// names and let the pod pools add or retire pods."""
+    from gateway.clients import DraftClient, TargetClient
+    from gateway.pods import resolve
+
+    while True:
+        await asyncio.sleep(interval_s)
+        for specs, pool, factory in ((target_specs, scheduler.targets, TargetClient),
+                                     (draft_specs, scheduler.drafts, DraftClient)):
+            found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
+            if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
+                pool.update(found, factory)
 
 
 def _addresses(value: str | None) -> list[str]:
