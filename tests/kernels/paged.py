@@ -60,7 +60,8 @@ def make_batch(
     tree sequence the open region holds region_lens[b] (>= query_len) nodes whose last query_len are the queries.
     Blocks are shuffled over the pool so page tables are non-trivial; slack pool entries hold noise."""
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: real-size pools are GiBs of noise
+    cpu_gen = torch.Generator().manual_seed(seed)
     region_lens = region_lens or query_lens
     kv_lens = [p + r if t else p + q for p, q, r, t in zip(prefix_lens, query_lens, region_lens, tree)]
     blocks_per_seq = [-(-kv // block_size) for kv in kv_lens]
@@ -74,10 +75,10 @@ def make_batch(
         table[b, :nb] = torch.tensor(order[used:used + nb], dtype=torch.int32)
         used += nb
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device).to(dtype)
     query_start = torch.tensor([0] + list(_cumsum(query_lens)), dtype=torch.int32)
     tree_mask = use_tree = None
     if any(tree):
@@ -87,17 +88,16 @@ def make_batch(
             if not is_tree:
                 # Chain rows of a mixed batch: the kernel must ignore them, so fill them with noise.
                 rows = slice(int(query_start[b]), int(query_start[b + 1]))
-                tree_mask[rows] = torch.rand(query_lens[b], width, generator=gen) < 0.5
+                tree_mask[rows] = torch.rand(query_lens[b], width, generator=cpu_gen) < 0.5
                 continue
             full = ancestor_mask(random_parents(region_lens[b], rng))  # (region, region)
             rows = slice(int(query_start[b]), int(query_start[b + 1]))
             tree_mask[rows, :region_lens[b]] = full[region_lens[b] - query_lens[b]:]
         use_tree = torch.tensor(tree, dtype=torch.bool)
-    prefix = [p for p in prefix_lens]
     return PagedBatch(
-        q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device), block_tables=table.to(device),
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=table.to(device),
         query_start=query_start.to(device), kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-        prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=device), max_query_len=max(query_lens),
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=device), max_query_len=max(query_lens),
         tree_mask=None if tree_mask is None else tree_mask.to(device),
         use_tree=None if use_tree is None else use_tree.to(device),
     )

@@ -10,7 +10,8 @@ from kernels.decode_attention import decode_attention, decode_attention_ref
 from kernels.paged_attention import paged_attention, paged_attention_ref
 from tests.kernels.paged import make_batch
 
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# On GPU the kernel feeds p to the PV dot in the input dtype; the tolerances cover that rounding.
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = [(4, 4, 16), (4, 2, 32), (6, 2, 24)]  # (num_heads, num_kv_heads, head_dim): MHA, GQA, odd group and hd
 
