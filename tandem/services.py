@@ -124,8 +124,10 @@ async def run_gateway(args: argparse.Namespace) -> None:
 
     path = model_path(args)
     creds = _channel_credentials(args)
-    targets = [TargetClient(a, credentials=creds) for a in _addresses(args.target_address)]
-    drafts = [DraftClient(a, credentials=creds) for a in _addresses(args.draft_address)]
+    target_specs, draft_specs = _addresses(args.target_address), _addresses(args.draft_address)
+    targets = [TargetClient(a, credentials=creds) for a in await _resolve_all(target_specs, args.startup_timeout)]
+    drafts = [DraftClient(a, credentials=creds)
+              for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
     info = infos[0]
@@ -142,7 +144,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
     await scheduler.start()
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):
-        refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval))
+        refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval,
+                                                      creds))
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
@@ -217,15 +220,17 @@ async def _resolve_all(specs: list[str], deadline_s: float) -> list[str]:
         await asyncio.sleep(1.0)
 
 
-async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float) -> None:
+async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float,
+                        credentials=None) -> None:
     """Follow scaling: re-resolve dns:/// names and let the pod pools add or retire pods."""
     from gateway.clients import DraftClient, TargetClient
     from gateway.pods import resolve
 
     while True:
         await asyncio.sleep(interval_s)
-        for specs, pool, factory in ((target_specs, scheduler.targets, TargetClient),
-                                     (draft_specs, scheduler.drafts, DraftClient)):
+        for specs, pool, factory in ((target_specs, scheduler.targets,
+                                      lambda a: TargetClient(a, credentials=credentials)),
+                                     (draft_specs, scheduler.drafts, lambda a: DraftClient(a, credentials=credentials))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
                 pool.update(found, factory)
