@@ -17,7 +17,8 @@ import triton.language as tl
 
 from kernels._common import FLOAT_DTYPES, check, check_index, interpreting, next_pow2
 
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked block then yields finite garbage that alpha later zeroes
+# Finite "minus infinity": a fully masked key block then yields finite garbage that a later alpha zeroes, not NaN.
+_NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ try:
 except ModuleNotFoundError as exc:
     if exc.name != "triton":
         raise
-    raise ImportError("attention backend 'triton' needs the triton package (pip install 'triton>=3.2')") from exc
+    raise ImportError("attention backend 'triton' needs the triton package (3.6.x; the 'test' extra installs it)") from exc
 
 from runtime.attention import AttentionBackend, register_backend
 from runtime.forward_batch import ForwardBatch

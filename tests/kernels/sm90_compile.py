@@ -23,7 +23,8 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                  "tree_mask_ptr": "*u8", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
                  "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_mask": "i32", "mask_width": "i32"}
         constexprs = {"GROUP": 4, "NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "HEAD_DIM_P2": head_dim,
-                      "PAGE_SIZE": 16, "BLOCK_M": block_m, "BLOCK_N": 64 if dtype == "bf16" else 32, "HAS_TREE": has_tree, "DOT_FP32": dtype == "fp32"}
+                      "PAGE_SIZE": 16, "BLOCK_M": block_m, "BLOCK_N": 64 if dtype == "bf16" else 32,
+                      "HAS_TREE": has_tree, "DOT_FP32": dtype == "fp32"}
         cases.append((f"paged_attention[{dtype},tree={has_tree},block_m={block_m}]", _paged_attention_kernel, types,
                       constexprs))
     cases.append(("store_kv", _store_kv_kernel,

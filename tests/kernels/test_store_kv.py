@@ -43,7 +43,8 @@ def test_store_kv_asserts_layout(device):
     k = torch.randn(3, 2, 16, device=device)
     cache = torch.zeros(8, 2, 16, device=device)
     with pytest.raises(ValueError, match="contiguous in head_dim"):
-        store_kv(k.transpose(0, 2).contiguous().transpose(0, 2), k, cache, cache, torch.zeros(3, dtype=torch.long, device=device))
+        strided_k = k.transpose(0, 2).contiguous().transpose(0, 2)
+        store_kv(strided_k, k, cache, cache, torch.zeros(3, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv(k, k, cache, cache, torch.zeros(2, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="cache dtype"):
