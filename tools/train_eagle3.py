@@ -1,0 +1,270 @@
+"""Train an EAGLE-3 head for any Llama-family target from token sequences (or a text corpus), with the training-time
+test (TTT): each position is unrolled a few draft steps, where step j feeds the head's own hidden of step j-1 and
+attends to the committed prefix plus its own earlier steps, exactly as tree drafting does at serve time.
+
+Labels are the target's own greedy predictions (hard self-distillation). Writes the published checkpoint format
+(config.json + model.safetensors with midlayer.*, fc, norm, lm_head, d2t offsets, t2d) that runtime/models/eagle3.py
+loads. Plain torch on any device; knows nothing about serving.
+
+    python -m tools.train_eagle3 --target-model-path T --corpus corpus.txt --output-dir out [--steps 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    lr: float = 3e-3
+    batch_size: int = 8
+    seq_len: int = 128  # corpus chunk length (tokens)
+    ttt_steps: int = 3  # unrolled draft steps per position
+    ttt_decay: float = 0.8  # loss weight of step j: decay ** j
+    draft_vocab_size: int | None = None  # None = the whole target vocabulary; else the most frequent labels
+    aux_layer_ids: list[int] | None = None  # None = SGLang's default capture [2, L//2, L-3]
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.seq_len < self.ttt_steps + 2:
+            raise ValueError("seq_len must exceed ttt_steps + 1")
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _Namespace(nn.Module):
+    """A plain container so that state_dict names come out as the published ones (midlayer.self_attn.q_proj...)."""
+
+
+class Eagle3TrainHead(nn.Module):
+    """The EAGLE-3 head as a batched full-sequence module with published parameter names (training only)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                 draft_vocab: int, eps: float, rope_theta: float) -> None:
+        super().__init__()
+        self.nh, self.kvh, self.hd, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        mid = self.midlayer = _Namespace()
+        mid.input_layernorm, mid.hidden_norm = _RMSNorm(hidden, eps), _RMSNorm(hidden, eps)
+        mid.post_attention_layernorm = _RMSNorm(hidden, eps)
+        attn = mid.self_attn = _Namespace()
+        attn.q_proj = nn.Linear(2 * hidden, num_heads * head_dim, bias=False)
+        attn.k_proj = nn.Linear(2 * hidden, num_kv_heads * head_dim, bias=False)
+        attn.v_proj = nn.Linear(2 * hidden, num_kv_heads * head_dim, bias=False)
+        attn.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        mlp = mid.mlp = _Namespace()
+        mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.norm = _RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+
+    def unrolled_logits(self, embeds: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        """embeds (B, T+num_steps, H): embeddings of t_1.. (shifted by one); aux (B, T, 3H_t): target aux at 0..T-1.
+        Returns per step j (B, T, draft_vocab): the head's logits at base position p after j own steps."""
+        b, t, _ = aux.shape
+        mid, attn = self.midlayer, self.midlayer.self_attn
+        h = self.fc(aux)  # (B, T, H)
+        keys, values, out = [], [], []
+        causal = torch.ones(t, t, dtype=torch.bool, device=aux.device).tril()
+        for j in range(num_steps):
+            x = torch.cat([mid.input_layernorm(embeds[:, j:j + t]), mid.hidden_norm(h)], dim=-1)  # (B, T, 2H)
+            pos = torch.arange(t, device=aux.device) + j  # step j of base p sits at position p + j
+            q = self._rope(attn.q_proj(x).view(b, t, self.nh, self.hd), pos)
+            k = self._rope(attn.k_proj(x).view(b, t, self.kvh, self.hd), pos)
+            v = attn.v_proj(x).view(b, t, self.kvh, self.hd)
+            rep = self.nh // self.kvh
+            keys.append(k.repeat_interleave(rep, 2))
+            values.append(v.repeat_interleave(rep, 2))
+            # Step 0's keys are the committed prefix (causal); steps 1..j add one key each on the diagonal: the
+            # query of base p sees its own earlier draft steps only.
+            scores = [torch.einsum("bqhd,bkhd->bhqk", q, keys[0]).masked_fill(~causal, -math.inf)]
+            scores += [torch.einsum("bqhd,bqhd->bhq", q, k_i).unsqueeze(-1) for k_i in keys[1:]]
+            probs = torch.cat(scores, dim=-1).div(math.sqrt(self.hd)).softmax(-1)  # (B, nh, T, T + j)
+            ctx = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], values[0])
+            for i, v_i in enumerate(values[1:]):
+                ctx = ctx + probs[..., t + i].permute(0, 2, 1).unsqueeze(-1) * v_i
+            h = h + attn.o_proj(ctx.reshape(b, t, -1))
+            y = mid.post_attention_layernorm(h)
+            h = h + mid.mlp.down_proj(F.silu(mid.mlp.gate_proj(y)) * mid.mlp.up_proj(y))
+            out.append(self.lm_head(self.norm(h)))
+        return out
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        hd = self.hd
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+        ang = pos[:, None].float() * inv
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = emb.cos()[None, :, None], emb.sin()[None, :, None]
+        rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos + rot * sin
+
+
+@dataclass
+class _Example:
+    tokens: torch.Tensor  # (T,)
+    aux: torch.Tensor  # (T, 3H_t)
+    labels: torch.Tensor  # (T,): target argmax at each position (its prediction of the next token)
+
+
+def collect_examples(target_path: str, sequences: list[list[int]], capture: list[int], device: str) -> list[_Example]:
+    """Run the target (the serving engine, so features are bit-for-bit what serving captures) over each sequence."""
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner, SeqForward
+
+    max_len = max(len(s) for s in sequences)
+    runner = ModelRunner(target_path, EngineConfig(device=device, dtype="float32", max_total_tokens=4 * max_len))
+    examples = []
+    for i, seq in enumerate(sequences):
+        runner.add_seq(str(i))
+        out = runner.forward([SeqForward(str(i), list(seq), logits="all")], capture_layers=capture)
+        runner.free_seq(str(i))
+        # Outside inference mode, so autograd may save them.
+        examples.append(_Example(torch.tensor(seq), out.aux_hidden[0].clone(), out.logits[0].argmax(-1).clone()))
+    return examples
+
+
+def train_eagle3(target_path: str, sequences: list[list[int]], output_dir: str, config: TrainConfig) -> dict:
+    """Train on token sequences (each >= ttt_steps + 2 long) and write the published checkpoint; returns stats."""
+    from runtime.config import ModelConfig
+    from runtime.models.eagle import load_target_embedding_and_head
+    from runtime.models.eagle3 import eagle3_capture_layers
+
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    tcfg = ModelConfig.from_pretrained(target_path)
+    capture = eagle3_capture_layers(tcfg.num_layers, config.aux_layer_ids)
+    sequences = [s for s in sequences if len(s) >= config.ttt_steps + 2]
+    if not sequences:
+        raise ValueError(f"no training sequence has the {config.ttt_steps + 2} tokens the unroll needs")
+    examples = collect_examples(target_path, sequences, capture, config.device)
+    embed, head = (t.to(config.device, torch.float32) for t in load_target_embedding_and_head(target_path, tcfg))
+
+    # Draft vocabulary: the most frequent labels (ties to the lower id), ascending; d2t holds offsets to target ids.
+    counts = torch.bincount(torch.cat([e.labels for e in examples]), minlength=tcfg.vocab_size)
+    n_draft = min(config.draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size)
+    hot = torch.sort(torch.sort(-counts, stable=True).indices[:n_draft]).values
+    to_draft = torch.full((tcfg.vocab_size,), -100, dtype=torch.int64)  # -100: ignored by cross_entropy
+    to_draft[hot] = torch.arange(n_draft)
+
+    h = tcfg.hidden_size
+    model = Eagle3TrainHead(h, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size, n_draft,
+                            tcfg.rms_norm_eps, tcfg.rope_theta).to(config.device)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head[hot.to(head.device)])  # warm start: the target's own rows
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / config.steps))
+    n, losses, accs = config.ttt_steps, [], []
+    for step in range(config.steps):
+        batch = [_crop(rng.choice(examples), config.seq_len, rng) for _ in range(config.batch_size)]
+        length = min(len(e.tokens) for e in batch)
+        t = length - n  # base positions p in [0, t): step j needs token t_{p+1+j} and label at p+1+j
+        tokens = torch.stack([e.tokens[:length] for e in batch]).to(config.device)
+        aux = torch.stack([e.aux[:t] for e in batch]).to(config.device)
+        labels = to_draft[torch.stack([e.labels[:length] for e in batch])].to(config.device)
+        embeds = F.pad(embed[tokens[:, 1:]], (0, 0, 0, 1))  # (B, length, H): t_1.., padded
+        logits = model.unrolled_logits(embeds, aux, n)
+        loss = sum(config.ttt_decay**j * F.cross_entropy(lg.flatten(0, 1), labels[:, 1 + j:1 + j + t].flatten())
+                   for j, lg in enumerate(logits))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            want = labels[:, 1:1 + t]
+            accs.append(float((logits[0].argmax(-1) == want)[want >= 0].float().mean()))
+    save_eagle3(model, output_dir, tcfg, hot, config)
+    return {"final_loss": sum(losses[-10:]) / len(losses[-10:]), "step0_accuracy": sum(accs[-10:]) / len(accs[-10:])}
+
+
+def save_eagle3(model: Eagle3TrainHead, output_dir: str, tcfg, hot: torch.Tensor, config: TrainConfig) -> None:
+    """Write config.json + model.safetensors exactly as published EAGLE-3 heads are laid out."""
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    n_draft = hot.numel()
+    tensors["d2t"] = hot - torch.arange(n_draft)  # offsets: target = draft + d2t[draft]
+    t2d = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
+    t2d[hot] = True
+    tensors["t2d"] = t2d
+    save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    eagle_config: dict = {"use_aux_hidden_state": True}
+    if config.aux_layer_ids is not None:  # unset = the loader's default capture, which `capture` already is
+        eagle_config["eagle_aux_hidden_state_layer_ids"] = list(config.aux_layer_ids)
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
+        "num_attention_heads": tcfg.num_heads, "num_key_value_heads": tcfg.num_kv_heads, "head_dim": tcfg.head_dim,
+        "num_hidden_layers": 1, "rms_norm_eps": tcfg.rms_norm_eps, "rope_theta": tcfg.rope_theta,
+        "max_position_embeddings": tcfg.max_position_embeddings, "vocab_size": tcfg.vocab_size,
+        "draft_vocab_size": n_draft, "target_hidden_size": tcfg.hidden_size, "hidden_act": "silu",
+        "tie_word_embeddings": False, "torch_dtype": "float32", "bias": False,
+        "eagle_config": eagle_config,
+        "training": {k: v for k, v in asdict(config).items() if k != "device"},
+    }
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def _crop(example: _Example, seq_len: int, rng: random.Random) -> _Example:
+    if len(example.tokens) <= seq_len:
+        return example
+    s = rng.randrange(len(example.tokens) - seq_len + 1)
+    return _Example(example.tokens[s:s + seq_len], example.aux[s:s + seq_len], example.labels[s:s + seq_len])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target-model-path", required=True, help="Llama-family target checkpoint (with tokenizer)")
+    p.add_argument("--corpus", required=True, help="UTF-8 text file; split into --seq-len token chunks")
+    p.add_argument("--output-dir", required=True, help="where the EAGLE-3 head is written")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak AdamW learning rate")
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len, help="tokens per training chunk")
+    p.add_argument("--ttt-steps", type=int, default=TrainConfig.ttt_steps, help="unrolled draft steps (TTT)")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="draft lm_head rows (default: full vocab)")
+    p.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, help="target layer outputs fed to fc")
+    p.add_argument("--max-chunks", type=int, default=2000, help="cap on corpus chunks used")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model_path)
+    with open(args.corpus, encoding="utf-8") as f:
+        ids = tokenizer(f.read())["input_ids"]
+    chunks = [ids[i:i + args.seq_len] for i in range(0, len(ids) - args.seq_len + 1, args.seq_len)][:args.max_chunks]
+    config = TrainConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
+                         ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                         aux_layer_ids=args.aux_layer_ids, seed=args.seed, device=args.device)
+    stats = train_eagle3(args.target_model_path, chunks, args.output_dir, config)
+    print(json.dumps(stats))
+
+
+if __name__ == "__main__":
+    main()
