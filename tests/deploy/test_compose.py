@@ -122,7 +122,7 @@ def test_commands_are_accepted_by_the_tandem_parser(compose):
     assert commands["envoy"].listen_port == 8080
     assert compose["services"]["envoy"]["ports"] == ["8080:8080"]
     gateway = compose["services"]["gateway"]["command"][0]
-    assert "--resolve target:30010" in gateway and "--resolve draft:30020" in gateway
+    assert "--target-address=dns:///target:30010" in gateway and "--draft-address=dns:///draft:30020" in gateway
     for name in ("target", "draft", "gateway"):  # all three agree on the speculative configuration
         assert commands[name].speculative_algorithm == "STANDALONE"
         assert commands[name].model_path == "/models/tandem-tiny-code"

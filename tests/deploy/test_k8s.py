@@ -160,7 +160,7 @@ def test_gateway_resolves_the_headless_services_it_routes_over():
     script = container["args"][0]
     for name in ("tandem-target", "tandem-draft"):
         port = services[name]["spec"]["ports"][0]["port"]
-        assert f"--resolve {name}:{port}" in script
+        assert f"=dns:///{name}:{port}" in script  # re-resolved by the gateway, so new pods join
 
 
 def test_volumes_and_configmaps_referenced_exist():
