@@ -118,11 +118,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             code = "OK"
             try:
                 return await inner(request, context)
-            except grpc.aio.AbortError:
-                code = context.code().name if context.code() is not None else "UNKNOWN"
-                raise
-            except BaseException:
-                code = "CANCELLED" if context.cancelled() else "INTERNAL"
+            except BaseException:  # abort(), a code set by the handler, cancellation, or an uncaught error
+                code = ("CANCELLED" if context.cancelled() else
+                        context.code().name if context.code() is not None else "UNKNOWN")
                 raise
             finally:
                 self._requests(self._service, rpc, code).inc()

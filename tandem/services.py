@@ -230,7 +230,8 @@ async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[st
         await asyncio.sleep(interval_s)
         for specs, pool, factory in ((target_specs, scheduler.targets,
                                       lambda a: TargetClient(a, credentials=credentials)),
-                                     (draft_specs, scheduler.drafts, lambda a: DraftClient(a, credentials=credentials))):
+                                     (draft_specs, scheduler.drafts,
+                                      lambda a: DraftClient(a, credentials=credentials))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
                 pool.update(found, factory)

@@ -143,3 +143,42 @@ async def test_request_log_lines_carry_ids_tokens_and_accept_length(tiny_model, 
     assert finished.accept_length >= 1.0 and finished.ttft_ms is not None
     line = json.loads(JsonFormatter().format(finished))
     assert line["request_id"] == "log-me" and line["finish_reason"] == "length"
+
+
+async def test_rpc_counts_carry_the_status_the_client_saw():
+    import grpc
+    from prometheus_client import generate_latest
+
+    from protos.tandem.v1 import tandem_pb2 as pb
+    from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
+    from protos.wire import start_server
+    from tandem.observability import ServiceMetrics
+
+    class Failing(pb_grpc.TargetServiceServicer):  # Info stays unimplemented
+        async def Verify(self, request, context):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
+
+        async def Release(self, request, context):
+            raise RuntimeError("bug")
+
+    metrics = ServiceMetrics("target")
+    server, port, _ = await start_server(lambda s: pb_grpc.add_TargetServiceServicer_to_server(Failing(), s),
+                                         ["tandem.v1.TargetService"], "127.0.0.1", 0,
+                                         interceptors=[metrics.interceptor()])
+    seen = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TargetServiceStub(channel)
+            calls = (("Verify", stub.Verify(pb.VerifyRequest())), ("Release", stub.Release(pb.ReleaseRequest())),
+                     ("Info", stub.Info(pb.InfoRequest())))
+            for rpc, call in calls:
+                try:
+                    await call
+                except grpc.aio.AioRpcError as exc:
+                    seen[rpc] = exc.code().name
+    finally:
+        await server.stop(grace=None)
+    got = parse_metrics(generate_latest(metrics.registry).decode())
+    assert seen == {"Verify": "INVALID_ARGUMENT", "Release": "UNKNOWN", "Info": "UNIMPLEMENTED"}
+    for rpc, code in seen.items():
+        assert got[f'tandem:rpc_requests_total{{code="{code}",rpc="{rpc}",service="target"}}'] == 1
