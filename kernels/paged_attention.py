@@ -7,6 +7,11 @@ keys are KV indices [0, kv_len[b]), found through the block table. Key j is visi
   chain seq: j <= kv_len[b] - T_b + i                 (causal: the T_b queries are the last T_b keys).
 The tree part is a dense per-row mask of fixed width, so a captured graph only rewrites tensor contents. GQA: each
 program takes one KV head and the query heads that share it. Knows nothing about models or block allocation.
+
+Split-KV (flash-decoding): with few (sequence, KV head, query tile) programs, e.g. batch-1 decode with 8 KV heads,
+the keys of each program are cut into `num_splits` chunks run by separate programs that write unnormalised partial
+results (acc, running max, running sum); a second kernel merges them. The chunk length is computed in the kernel
+from the loaded kv_len, so the split count is a host constant and one captured graph serves every context length.
 """
 
 from __future__ import annotations
@@ -25,17 +30,21 @@ _NEG = tl.constexpr(-1.0e30)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, query_start_ptr, kv_len_ptr, prefix_len_ptr, use_tree_ptr, tree_mask_ptr,
+    part_acc_ptr, part_ml_ptr,  # split-KV partials: (S, N, nh, HEAD_DIM_P2) fp32 and (S, N, nh, 2) fp32
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_mask, mask_width,
+    num_tokens, num_splits,
     GROUP: tl.constexpr,  # query heads per KV head
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows of the query tile: (query token, head in group) pairs
     BLOCK_N: tl.constexpr,  # keys per step
     HAS_TREE: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr,  # write partials for the merge kernel instead of the normalised output
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
 
     q_start = tl.load(query_start_ptr + seq)
@@ -70,10 +79,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
+    # This program's key chunk: whole BLOCK_N steps, so splits never share a key block.
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    kv_stop = tl.minimum(kv_end, start + chunk)
     # A while loop, not range(0, kv_end, ...): Triton 3.6's interpreter cannot turn a loaded bound into a Python int
     # under numpy >= 2.4; compiled, both become the same scf loop.
-    start = 0
-    while start < kv_end:
+    while start < kv_stop:
         j = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
         j_ok = j < kv_len
         page = tl.load(block_table_ptr + seq * stride_bt + j // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
@@ -107,9 +119,36 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
         start += BLOCK_N
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:
+        # (split, row, head) of a contiguous (S, N, nh, .) buffer; an empty chunk writes m = _NEG, l = 0, acc = 0.
+        part = (split * num_tokens + row) * (GROUP * NUM_KV_HEADS) + head  # (BLOCK_M,)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, num_tokens, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (token, head): out = sum_s acc_s * 2^(m_s - M) / sum_s l_s * 2^(m_s - M), M = max_s m_s."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    part = (s * num_tokens + row) * NUM_HEADS + head  # (BLOCK_S,)
+    m = tl.load(part_ml_ptr + part * 2, mask=s_ok, other=_NEG)
+    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    d = tl.arange(0, HEAD_DIM_P2)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P2 + d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # (BLOCK_S,): empty or fully masked chunks get weight 0
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def paged_attention(
@@ -127,12 +166,14 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q: (N, nh, hd), head_dim contiguous; k_cache, v_cache: (num_blocks, block_size, kvh, hd) contiguous, same
     dtype as q; block_tables: (B, max_blocks); query_start: (B+1,); kv_lens, prefix_lens: (B,); tree_mask: (N, W)
     bool/uint8, column c = key prefix_len + c, rows of chain seqs ignored; use_tree: (B,) nonzero = the sequence
     uses tree_mask (required with tree_mask). max_query_len >= every T_b (host int: sizes the grid, no sync).
-    Returns out (N, nh, hd)."""
+    num_splits: key chunks per program (split-KV); None = `default_num_splits` for this grid. Returns out
+    (N, nh, hd)."""
     check(q.dim() == 3 and q.stride(2) == 1, f"q must be (N, nh, hd) contiguous in hd, got {tuple(q.shape)}")
     num_tokens, num_heads, head_dim = q.shape
     check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} unsupported")
@@ -172,19 +213,62 @@ def paged_attention(
     block_n = block_n or (32 if q.dtype == torch.float32 else 64)
     check(block_m >= group and block_m == next_pow2(block_m), f"block_m {block_m}: power of 2, >= group {group}")
     tokens_per_tile = block_m // group
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, tokens_per_tile))
+    num_tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs * num_kv_heads * num_tiles, device)
+    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    head_dim_p2 = max(16, next_pow2(head_dim))
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim_p2, dtype=torch.float32, device=device)
+        part_ml = torch.empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32, device=device)
+    else:
+        part_acc = part_ml = out  # never touched without SPLIT
+    grid = (num_seqs, num_kv_heads, num_tiles * num_splits)
     mask_arg = tree_mask if has_tree else q  # never read without HAS_TREE
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start, kv_lens, prefix_lens, use_tree if has_tree else kv_lens, mask_arg,
+        part_acc, part_ml,
         scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         tree_mask.stride(0) if has_tree else 0, tree_mask.shape[1] if has_tree else 0,
-        GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, next_pow2(head_dim)),
+        num_tokens, num_splits,
+        GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2,
         PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, HAS_TREE=has_tree,
-        DOT_FP32=q.dtype == torch.float32 or interpreting(),
+        DOT_FP32=q.dtype == torch.float32 or interpreting(), SPLIT=split,
     )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, num_tokens, num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_S=next_pow2(num_splits),
+        )
     return out
+
+
+# Split only while the plain grid leaves the GPU idle; cap the merge cost.
+_MAX_SPLITS = 32
+
+
+def default_num_splits(num_programs: int, device: torch.device) -> int:
+    """Key chunks per program so that about two waves of programs cover the GPU; 1 on CPU (interpreter) and once
+    the plain grid already fills it. Depends only on the grid, never on kv_len: a captured graph keeps its choice."""
+    if device.type != "cuda":
+        return 1
+    num_sms = _num_sms(device)
+    if num_programs >= num_sms:
+        return 1
+    return max(1, min(_MAX_SPLITS, -(-2 * num_sms // num_programs)))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def paged_attention_ref(

@@ -9,24 +9,30 @@ import sys
 
 def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
     from kernels.compact_kv import _compact_kv_kernel
-    from kernels.paged_attention import _paged_attention_kernel
+    from kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
     from kernels.store_kv import _store_kv_kernel
     from kernels.verify_greedy import _verify_greedy_kernel
 
     cases = []
     # fp32 is for tiny test models only; at 8B shapes its ptxas run alone takes ~15 s, so it is compiled small.
-    for dtype, has_tree, block_m, head_dim in (("bf16", False, 16, 128), ("bf16", True, 64, 128),
-                                               ("bf16", False, 64, 128), ("fp32", True, 16, 32)):
+    for dtype, has_tree, block_m, head_dim, split in (("bf16", False, 16, 128, False), ("bf16", True, 64, 128, False),
+                                                      ("bf16", False, 64, 128, False), ("fp32", True, 16, 32, False),
+                                                      ("bf16", True, 16, 128, True), ("bf16", True, 64, 128, True)):
         ptr = f"*{dtype}"
         types = {"q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "out_ptr": ptr, "block_table_ptr": "*i32",
                  "query_start_ptr": "*i32", "kv_len_ptr": "*i32", "prefix_len_ptr": "*i32", "use_tree_ptr": "*u8",
                  "tree_mask_ptr": "*u8", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
-                 "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_mask": "i32", "mask_width": "i32"}
+                 "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_mask": "i32", "mask_width": "i32",
+                 "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "num_tokens": "i32", "num_splits": "i32"}
         constexprs = {"GROUP": 4, "NUM_KV_HEADS": 8, "HEAD_DIM": head_dim, "HEAD_DIM_P2": head_dim,
                       "PAGE_SIZE": 16, "BLOCK_M": block_m, "BLOCK_N": 64 if dtype == "bf16" else 32,
-                      "HAS_TREE": has_tree, "DOT_FP32": dtype == "fp32"}
-        cases.append((f"paged_attention[{dtype},tree={has_tree},block_m={block_m}]", _paged_attention_kernel, types,
-                      constexprs))
+                      "HAS_TREE": has_tree, "DOT_FP32": dtype == "fp32", "SPLIT": split}
+        cases.append((f"paged_attention[{dtype},tree={has_tree},block_m={block_m},split={split}]",
+                      _paged_attention_kernel, types, constexprs))
+    cases.append(("merge_splits", _merge_splits_kernel,
+                  {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "num_tokens": "i32",
+                   "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},
+                  {"NUM_HEADS": 32, "HEAD_DIM": 128, "HEAD_DIM_P2": 128, "BLOCK_S": 32}))
     cases.append(("store_kv", _store_kv_kernel,
                   {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                    "slot_ptr": "*i64", "stride_kt": "i32", "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"},

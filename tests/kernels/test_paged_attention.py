@@ -98,3 +98,20 @@ def test_layout_contract_is_asserted(device):
         paged_attention(batch.q[:, :3], *batch.args()[1:], 0.3, 2)
     with pytest.raises(ValueError, match="use_tree"):
         paged_attention(*batch.args(), 0.3, 2, torch.ones(2, 2, dtype=torch.bool, device=device))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_matches_ref(num_splits, dtype, device):
+    # Chains, trees and decodes, with chunks that end up empty (short kv) and chunks fully masked for causal rows.
+    batch = make_batch([37, 0, 5, 60], [9, 7, 1, 1], [True, False, False, False], num_heads=4, num_kv_heads=2,
+                       head_dim=16, block_size=4, dtype=dtype, device=device, seed=8)
+    _check(batch, dtype, num_splits=num_splits, block_n=16)
+
+
+def test_split_kv_decode_matches_unsplit(device):
+    batch = make_batch([0, 4, 17, 70], [1, 1, 1, 1], [False] * 4, num_heads=6, num_kv_heads=2, head_dim=24,
+                       block_size=4, dtype=torch.float32, device=device, seed=9)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.kv_lens, 0.25)
+    torch.testing.assert_close(decode_attention(*args, num_splits=5), decode_attention(*args, num_splits=1),
+                               atol=1e-5, rtol=1e-5)
