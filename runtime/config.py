@@ -133,16 +133,26 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    """How to run a model: where, in which dtype, with how much KV memory."""
+    """How to run a model: where, in which dtype, with how much KV memory, with or without CUDA graphs."""
 
     device: str = "cpu"
     dtype: str = "auto"  # "auto" = checkpoint dtype on CUDA, float32 on CPU
     load_format: str = "auto"  # "dummy" = random weights of the config's shape, no weight files needed
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # "auto" = triton on CUDA (when installed), torch elsewhere
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None = ceil(max_total_tokens / block_size)
+    num_kv_blocks: int | None = None  # None = ceil(max_total_tokens / block_size), or profiled (below)
     max_total_tokens: int = 65536  # KV capacity over all sequences when num_kv_blocks is None
     seed: int = 0
+    # Set (on CUDA, with num_kv_blocks None): weights + KV pool take this fraction of the GPU; the KV pool is sized by
+    # profiling free memory after loading weights and a warm-up forward, and max_total_tokens is ignored.
+    mem_fraction_static: float | None = None
+    # CUDA graphs of decode (1 token per sequence) and verify (num_draft_tokens per sequence) forwards, batch sizes
+    # bucketed up to cuda_graph_max_bs; CUDA + triton backend only, eager otherwise.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 64
+    cuda_graph_num_draft_tokens: int | None = None  # the verify width to capture (root included); None = decode only
+    enable_torch_compile: bool = False  # accepted for SGLang parity; a documented no-op (see ModelRunner)
+    torch_compile_max_bs: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -157,6 +167,14 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be positive, got {self.max_total_tokens}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError("attention_backend must be a backend name")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_num_draft_tokens is not None and self.cuda_graph_num_draft_tokens <= 0:
+            raise ValueError(f"cuda_graph_num_draft_tokens must be positive, got {self.cuda_graph_num_draft_tokens}")
+        if self.torch_compile_max_bs <= 0:
+            raise ValueError(f"torch_compile_max_bs must be positive, got {self.torch_compile_max_bs}")
 
     @property
     def resolved_num_kv_blocks(self) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -22,17 +24,45 @@ class ForwardMode(enum.Enum):
 
 @dataclass
 class SeqAttention:
-    """What the queries of one sequence see."""
+    """What the queries of one sequence see. Host-side description; the device tensors a backend may want
+    (`kv_slots`, `tree_mask`) are built on first use, so backends that pack their own metadata pay no copies."""
 
     query_start: int  # first row of this sequence in the flattened batch
     query_len: int  # T new tokens
     kv_len: int  # KV entries [0, kv_len) exist after this forward's writes
     prefix_len: int  # KV entries [0, prefix_len) are visible to all T queries
     block_table: list[int]  # blocks holding this sequence's KV, in order
-    kv_slots: torch.Tensor  # (kv_len,) int64: flat slot of every KV index, for gather-style backends
-    # (T, kv_len - prefix_len) bool, True = visible; None = causal: query i sees tail[: i + 1] (chain append).
-    tree_mask: torch.Tensor | None = None
+    block_size: int  # tokens per block: KV index i lives in slot block_table[i // block_size] * block_size + i % ..
+    device: torch.device
+    # Tree appends: per query, a bitmask over the tail (bit c = tail entry prefix_len + c visible). None = causal:
+    # query i sees tail[: i + 1] (chain append).
+    tree_rows: list[int] | None = None
     tree_parents: list[int] | None = None  # region parents of the whole open region (tree appends), for kernels
+
+    @property
+    def tail_len(self) -> int:
+        return self.kv_len - self.prefix_len
+
+    @cached_property
+    def kv_slots(self) -> torch.Tensor:
+        """(kv_len,) int64: flat slot of every KV index, for gather-style backends."""
+        j = np.arange(self.kv_len)
+        table = np.asarray(self.block_table, dtype=np.int64)
+        return torch.from_numpy(table[j // self.block_size] * self.block_size + j % self.block_size).to(self.device)
+
+    @cached_property
+    def tree_mask(self) -> torch.Tensor | None:
+        """(T, tail_len) bool, True = visible; None for a chain append."""
+        if self.tree_rows is None:
+            return None
+        return torch.from_numpy(tree_mask_rows(self.tree_rows, self.tail_len).astype(bool)).to(self.device)
+
+
+def tree_mask_rows(rows: list[int], width: int) -> np.ndarray:
+    """(len(rows), width) uint8 from per-row bitmasks (bit c = column c)."""
+    num_bytes = max(1, (width + 7) // 8)
+    packed = np.frombuffer(b"".join(r.to_bytes(num_bytes, "little") for r in rows), dtype=np.uint8)
+    return np.unpackbits(packed.reshape(len(rows), num_bytes), axis=1, bitorder="little")[:, :width]
 
 
 @dataclass
@@ -48,3 +78,7 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        return max(s.query_len for s in self.seqs)

@@ -6,7 +6,10 @@ Owns KV memory and tree regions; knows nothing about sampling, acceptance or the
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +18,16 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode, SeqAttention
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
+from runtime.memory import GiB, DeviceMemoryProbe, MemoryPlan, OutOfDeviceMemory, kv_bytes_per_block, plan_kv_blocks
 from runtime.models.loader import load_model, resolve_dtype
 
+if TYPE_CHECKING:
+    from runtime.cuda_graph import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
 LOGITS_MODES = ("last", "all", "none")
+# Tokens of the warm-up prefill whose activation peak memory profiling keeps free (longer prompts may not fit).
+_WARMUP_PREFILL_TOKENS = 4096
 
 
 @dataclass
@@ -80,17 +90,65 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         self.dtype = resolve_dtype(engine_config, model_config)
         self.model = model if model is not None else load_model(model_path, model_config, engine_config)
-        num_blocks = engine_config.resolved_num_kv_blocks
-        self.block_manager = BlockManager(num_blocks, engine_config.block_size)
-        self.kv_pool = KVPool(
-            model_config.num_layers, num_blocks, engine_config.block_size,
-            model_config.num_kv_heads, model_config.head_dim, self.dtype, self.device,
-        )
-        backend_cls = get_backend(engine_config.attention_backend)
+        backend_cls = get_backend(_resolve_backend(engine_config.attention_backend, self.device))
         self.attn_backend = backend_cls(
             model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, model_config.head_dim**-0.5
         )
         self._seqs: dict[str, _SeqState] = {}
+        self.graph_runner: CudaGraphRunner | None = None
+        self.use_cuda_graph = False  # replay captured graphs for fitting batches (benchmarks may switch it off)
+        # Measured by profiling when engine_config.mem_fraction_static sizes the KV pool; None otherwise.
+        self.memory_plan: MemoryPlan | None = None
+        num_blocks = engine_config.resolved_num_kv_blocks
+        if (self.device.type == "cuda" and engine_config.num_kv_blocks is None
+                and engine_config.mem_fraction_static is not None):
+            self.memory_plan = self._profile_memory()
+            num_blocks = self.memory_plan.num_kv_blocks
+        self._init_kv(num_blocks)
+        # Graphs need the static-buffer backend and the plain LM forward (heads passed in take extra inputs).
+        if (self.device.type == "cuda" and not engine_config.disable_cuda_graph and engine_config.cuda_graph_max_bs > 0
+                and model is None and hasattr(self.attn_backend, "init_graph_buffers")):
+            from runtime.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, engine_config.cuda_graph_max_bs,
+                                                engine_config.cuda_graph_num_draft_tokens)
+            self.graph_runner.capture()
+            self.use_cuda_graph = True
+        if engine_config.enable_torch_compile:
+            # SGLang's EAGLE draft graph runner compiles no batch size either (compile_bs=[]); CUDA graphs already
+            # remove the launch overhead torch.compile would mostly save here.
+            logger.warning("--enable-torch-compile is accepted but not applied: the forward runs under CUDA graphs "
+                           "(draft and target) without torch.compile")
+
+    def _init_kv(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        self.block_manager = BlockManager(num_blocks, self.engine_config.block_size)
+        self.kv_pool = KVPool(cfg.num_layers, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
+                              cfg.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def _profile_memory(self) -> MemoryPlan:
+        """Run warm-up forwards on a small temporary KV pool (a long prefill, and the widest decode/verify logits
+        the graphs may see), then size the real pool from what the weights and the activation peak left."""
+        cfg, ec = self.model_config, self.engine_config
+        weights_bytes = torch.cuda.memory_allocated(self.device)
+        prefill_len = min(_WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)
+        wide_len = min(max(1, ec.cuda_graph_max_bs) * (ec.cuda_graph_num_draft_tokens or 1), cfg.max_position_embeddings)
+        self._init_kv(-(-max(prefill_len, wide_len) // ec.block_size) + 1)
+        probe = DeviceMemoryProbe(self.device)
+        for num_tokens, logits in ((prefill_len, "last"), (wide_len, "all")):
+            self.add_seq("__warmup__")
+            self.forward([SeqForward("__warmup__", [0] * num_tokens, logits=logits)])
+            self.free_seq("__warmup__")
+        del self.kv_pool, self.block_manager
+        peak, free, total = probe.finish()
+        plan = plan_kv_blocks(total_bytes=total, free_bytes=free, weights_bytes=weights_bytes,
+                              activation_peak_bytes=peak,
+                              bytes_per_block=kv_bytes_per_block(cfg, ec.block_size, self.dtype),
+                              mem_fraction_static=ec.mem_fraction_static)
+        logger.info("KV pool: %d blocks (%.2f GiB); weights %.2f GiB, activation peak %.2f GiB, %.2f GiB free",
+                    plan.num_kv_blocks, plan.kv_bytes / GiB, weights_bytes / GiB, peak / GiB, free / GiB)
+        return plan
 
     # ---- sequence lifecycle ----------------------------------------------------------------------------------------
     def add_seq(self, seq_id: str) -> None:
@@ -144,7 +202,8 @@ class ModelRunner:
         if moves:
             src = [self.block_manager.slot(seq_id, s) for s, _ in moves]
             dst = [self.block_manager.slot(seq_id, d) for _, d in moves]
-            self.kv_pool.copy_slots(self._long(src), self._long(dst))
+            src_t, dst_t = self._long(src + dst).split(len(moves))
+            self.kv_pool.copy_slots(src_t, dst_t)
         new_len = start + len(region_nodes)
         self.block_manager.truncate(seq_id, new_len)
         state.kv_len = new_len
@@ -159,17 +218,22 @@ class ModelRunner:
         mode: ForwardMode | None = None,
     ) -> ForwardOutput:
         """One model forward over all sequences' new tokens. Validates everything and reserves KV before any state
-        changes, so a raised error (ValueError, UnknownSeq, OutOfKVBlocks) leaves every sequence as it was."""
+        changes, so a raised error (ValueError, UnknownSeq, OutOfKVBlocks, OutOfDeviceMemory) leaves every sequence
+        as it was. On CUDA, batches whose sequences all add the same number of tokens (decode, verify) replay a
+        captured graph when one fits; everything else runs eager."""
         self._validate(batch)
+        kv_lens = {sf.seq_id: self._seqs[sf.seq_id].kv_len for sf in batch}
         self._reserve_kv(batch)
-        fb, new_regions = self._build_forward_batch(batch, mode)
-        self.attn_backend.init_forward_metadata(fb)
-        extra = {}
-        if batch[0].input_features is not None:  # _validate made it all-or-none
-            extra["input_features"] = torch.cat([sf.input_features for sf in batch]).to(self.device)  # (N, F)
-        out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
-        rows_hidden = out.hidden[fb.logits_indices]  # (num_logit_rows, H)
-        logits = self.model.compute_logits(rows_hidden) if rows_hidden.shape[0] else None
+        try:
+            fb, new_regions, out, rows_hidden, logits = self._run_model(batch, capture_layers, mode)
+        except torch.cuda.OutOfMemoryError as exc:
+            for seq_id, kv_len in kv_lens.items():  # give back the blocks reserved for this forward
+                self.block_manager.truncate(seq_id, kv_len)
+            torch.cuda.empty_cache()
+            num_tokens = sum(len(sf.token_ids) for sf in batch)
+            raise OutOfDeviceMemory(
+                f"a forward of {len(batch)} sequences / {num_tokens} tokens does not fit in device memory; lower "
+                f"--mem-fraction-static, the batch or the tree size ({exc})") from None
         result = ForwardOutput(logits=[], hidden=[], aux_hidden=[])
         row = 0
         for sf, seq, n in zip(batch, fb.seqs, fb.num_logit_rows):
@@ -179,7 +243,7 @@ class ModelRunner:
                 result.logits.append(logits[row : row + n])
             result.hidden.append(rows_hidden[row : row + n] if sf.capture_hidden else None)
             tokens = slice(seq.query_start, seq.query_start + seq.query_len)
-            result.aux_hidden.append(out.aux_hidden[tokens] if out.aux_hidden is not None else None)
+            result.aux_hidden.append(out.aux_hidden[tokens] if out is not None and out.aux_hidden is not None else None)
             row += n
         # Commit state only after the forward succeeded.
         for sf in batch:
@@ -191,6 +255,25 @@ class ModelRunner:
         return result
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+    def _run_model(self, batch: list[SeqForward], capture_layers: list[int] | None, mode: ForwardMode | None):
+        """(forward batch, new regions, model output or None when a graph ran, logits-row hidden, logits or None)."""
+        # Graphs return only the final hidden states: aux captures and feature inputs run eager.
+        allow_graph = capture_layers is None and batch[0].input_features is None
+        fb, new_regions, graph_key = self._build_forward_batch(batch, mode, allow_graph)
+        out = None
+        if graph_key is not None:
+            hidden = self.graph_runner.replay(graph_key, fb)  # (padded N, H), overwritten by the next replay
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            extra = {}
+            if batch[0].input_features is not None:  # _validate made it all-or-none
+                extra["input_features"] = torch.cat([sf.input_features for sf in batch]).to(self.device)  # (N, F)
+            out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
+            hidden = out.hidden
+        rows_hidden = hidden[fb.logits_indices]  # (num_logit_rows, H): a copy, safe from the next replay
+        logits = self.model.compute_logits(rows_hidden) if rows_hidden.shape[0] else None
+        return fb, new_regions, out, rows_hidden, logits
+
     def _state(self, seq_id: str) -> _SeqState:
         try:
             return self._seqs[seq_id]
@@ -198,7 +281,10 @@ class ModelRunner:
             raise UnknownSeq(seq_id) from None
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        host = torch.tensor(values, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # a pageable host->device copy would wait for the GPU
+        return host.to(self.device, non_blocking=True)
 
     def _validate(self, batch: list[SeqForward]) -> None:
         if not batch:
@@ -250,8 +336,10 @@ class ModelRunner:
             bm.ensure_capacity(sf.seq_id, self._seqs[sf.seq_id].kv_len + len(sf.token_ids))
 
     def _build_forward_batch(
-        self, batch: list[SeqForward], mode: ForwardMode | None
-    ) -> tuple[ForwardBatch, dict[str, tuple[int, list[int], list[int]]]]:
+        self, batch: list[SeqForward], mode: ForwardMode | None, allow_graph: bool = False
+    ) -> tuple[ForwardBatch, dict[str, tuple[int, list[int], list[int]]], tuple[int, int] | None]:
+        """(batch, new tree regions, CUDA graph key or None). Token arrays go to the device in one pinned copy,
+        into the graph's static buffers when a captured graph will run this batch."""
         bm = self.block_manager
         input_ids: list[int] = []
         positions: list[int] = []
@@ -265,7 +353,7 @@ class ModelRunner:
             num_tokens = len(sf.token_ids)
             start = len(input_ids)
             kv_len = state.kv_len + num_tokens
-            tree_mask = None
+            tree_rows = None
             tree_parents = None
             if sf.parents is None:
                 prefix_len = state.kv_len
@@ -279,13 +367,9 @@ class ModelRunner:
                 tree_parents = state.region_parents + list(sf.parents)
                 new_regions[sf.seq_id] = (region_start, visible, tree_parents)
                 prefix_len = region_start
-                tail_len = kv_len - region_start
-                rows = visible[region_len:]
-                tree_mask = torch.tensor(
-                    [[(v >> c) & 1 for c in range(tail_len)] for v in rows], dtype=torch.bool
-                ).to(self.device)  # (T, tail_len)
+                tree_rows = visible[region_len:]  # per query: bitmask over the tail [region_start, kv_len)
                 # Default position: prefix length + depth, where depth = number of visible region nodes - 1.
-                pos = sf.positions or [region_start + v.bit_count() - 1 for v in rows]
+                pos = sf.positions or [region_start + v.bit_count() - 1 for v in tree_rows]
             input_ids.extend(sf.token_ids)
             positions.extend(pos)
             slot_mapping.extend(bm.slots(sf.seq_id, state.kv_len, kv_len))
@@ -294,8 +378,8 @@ class ModelRunner:
             num_logit_rows.append(n_rows)
             seqs.append(SeqAttention(
                 query_start=start, query_len=num_tokens, kv_len=kv_len, prefix_len=prefix_len,
-                block_table=bm.block_table(sf.seq_id), kv_slots=self._long(bm.slots(sf.seq_id, 0, kv_len)),
-                tree_mask=tree_mask, tree_parents=tree_parents,
+                block_table=bm.block_table(sf.seq_id), block_size=bm.block_size, device=self.device,
+                tree_rows=tree_rows, tree_parents=tree_parents,
             ))
         if mode is None:
             if any(sf.parents is not None for sf in batch):
@@ -304,9 +388,25 @@ class ModelRunner:
                 mode = ForwardMode.DECODE
             else:
                 mode = ForwardMode.PREFILL
+        graph_key = None
+        if allow_graph and self.use_cuda_graph and self.graph_runner is not None:
+            graph_key = self.graph_runner.key_for(seqs)
+        n = len(input_ids)
+        if graph_key is not None:
+            ids, pos_t, slots, rows = self.graph_runner.load_inputs(
+                graph_key, input_ids, positions, slot_mapping, logits_indices)
+        else:
+            packed = self._long(input_ids + positions + slot_mapping + logits_indices)
+            ids, pos_t, slots, rows = packed.split([n, n, n, len(logits_indices)])
         fb = ForwardBatch(
-            mode=mode, input_ids=self._long(input_ids), positions=self._long(positions),
-            slot_mapping=self._long(slot_mapping), seqs=seqs, logits_indices=self._long(logits_indices),
+            mode=mode, input_ids=ids, positions=pos_t, slot_mapping=slots, seqs=seqs, logits_indices=rows,
             num_logit_rows=num_logit_rows,
         )
-        return fb, new_regions
+        return fb, new_regions, graph_key
+
+
+def _resolve_backend(name: str, device: torch.device) -> str:
+    """'auto' = triton on CUDA when it is installed (graphs need it), torch elsewhere."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
