@@ -25,11 +25,24 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
                    help="weight/activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shape (benchmarks)")
-    p.add_argument("--attention-backend", default="torch", help="attention backend of the target (torch)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="attention backend of the model services: torch, triton, or auto (triton on CUDA, which CUDA "
+                        "graphs need; torch on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens per model service (default: sized for the device)")
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block (page size)")
     p.add_argument("--random-seed", type=int, default=0, help="seed for dummy weights")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="CUDA: fraction of GPU memory for weights + KV pool; the KV pool is sized by profiling free "
+                        "memory after loading weights and a warm-up forward (overrides --max-total-tokens). Give "
+                        "target and draft services on one GPU fractions that sum below 1")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=64,
+                   help="largest batch captured in CUDA graphs (decode and verify); bigger batches run eager")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly (no CUDA graphs)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="accepted for SGLang compatibility; a no-op with a warning (forwards already run in CUDA graphs)")
+    p.add_argument("--torch-compile-max-bs", type=int, default=32,
+                   help="largest batch torch.compile would cover (no-op, see --enable-torch-compile)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

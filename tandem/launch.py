@@ -29,6 +29,11 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
              "--log-level", args.log_level, "--log-format", args.log_format]
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.mem_fraction_static is not None:
+        flags += ["--mem-fraction-static", str(args.mem_fraction_static)]
+    flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs),
+              "--torch-compile-max-bs", str(args.torch_compile_max_bs)]
+    flags += ["--disable-cuda-graph"] * args.disable_cuda_graph + ["--enable-torch-compile"] * args.enable_torch_compile
     return flags
 
 

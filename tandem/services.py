@@ -13,14 +13,32 @@ from tandem.args import DEFAULT_DRAFT, model_path
 logger = logging.getLogger("tandem")
 
 
-def _engine_config(args: argparse.Namespace, load_format: str | None = None):
+def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, target: bool = False):
     from runtime.config import EngineConfig
 
     kwargs = dict(device=args.device, dtype=args.dtype, load_format=load_format or args.load_format,
-                  attention_backend=args.attention_backend, block_size=args.kv_block_size, seed=args.random_seed)
+                  attention_backend=args.attention_backend, block_size=args.kv_block_size, seed=args.random_seed,
+                  mem_fraction_static=getattr(args, "mem_fraction_static", None),
+                  cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", 64),
+                  disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
+                  enable_torch_compile=getattr(args, "enable_torch_compile", False),
+                  torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32))
+    if target:  # the verify width the target's graphs are captured for
+        kwargs["cuda_graph_num_draft_tokens"] = getattr(args, "speculative_num_draft_tokens", None)
     if args.max_total_tokens:
         kwargs["max_total_tokens"] = args.max_total_tokens
     return EngineConfig(**kwargs)
+
+
+def _build_runner(path: str | None, engine_config):
+    """A ModelRunner, or exit with a message when the model or its KV pool does not fit on the device."""
+    from runtime.memory import OutOfDeviceMemory
+    from runtime.model_runner import ModelRunner
+
+    try:
+        return ModelRunner(path, engine_config)
+    except OutOfDeviceMemory as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 async def _serve_until_signal(server) -> None:
@@ -33,13 +51,12 @@ async def _serve_until_signal(server) -> None:
 
 
 async def run_target(args: argparse.Namespace) -> None:
-    from runtime.model_runner import ModelRunner
     from target_service.engine import TargetEngine
     from target_service.server import serve_target
 
     path = model_path(args)
-    runner = ModelRunner(None if args.load_format == "dummy" and not Path(path).exists() else path,
-                         _engine_config(args))
+    runner = _build_runner(None if args.load_format == "dummy" and not Path(path).exists() else path,
+                           _engine_config(args, target=True))
     server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=_server_credentials(args))
@@ -76,10 +93,9 @@ def build_proposer(args: argparse.Namespace):
             capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens)), "ngram"
     if algorithm == "STANDALONE":
         from draft_service.standalone import StandaloneProposer
-        from runtime.model_runner import ModelRunner
 
         path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        runner = ModelRunner(path, _engine_config(args, args.speculative_draft_load_format))
+        runner = _build_runner(path, _engine_config(args, args.speculative_draft_load_format))
         return StandaloneProposer(runner), path
     if algorithm in ("EAGLE", "EAGLE3"):
         from draft_service.eagle import EagleProposer
