@@ -6,6 +6,11 @@ Labels are the target's own greedy predictions (hard self-distillation). Writes 
 (config.json + model.safetensors with midlayer.*, fc, norm, lm_head, d2t offsets, t2d) that runtime/models/eagle3.py
 loads. Plain torch on any device; knows nothing about serving.
 
+Two ways to get the target's features: `train_eagle3` runs the serving engine over fixed token sequences once
+(features bit-for-bit what serving captures; small corpora, CPU), `train_eagle3_online` runs an HF target over fresh
+random windows of a token stream every step (large corpora, GPU, bf16 autocast; hidden_states[i] is the input of
+layer i, which is what the engine captures for i < num_layers).
+
     python -m tools.train_eagle3 --target-model-path T --corpus corpus.txt --output-dir out [--steps 2000]
 """
 from __future__ import annotations
@@ -32,6 +37,12 @@ class TrainConfig:
     ttt_decay: float = 0.8  # loss weight of step j: decay ** j
     draft_vocab_size: int | None = None  # None = the whole target vocabulary; else the most frequent labels
     aux_layer_ids: list[int] | None = None  # None = SGLang's default capture [2, L//2, L-3]
+    intermediate_size: int | None = None  # the head's FFN width; None = the target's
+    time_budget_s: float | None = None  # also stop after this much wall time (the LR decay follows it)
+    bf16_autocast: bool = False  # bf16 autocast of the target and head forwards (GPU)
+    log_every: int = 0  # progress line every this many steps (0 = silent)
+    save_dtype: str = "float32"  # dtype of the saved weights (float32 or bfloat16)
+    progress_bar: bool = False  # with log_every: a progress bar (stderr) instead of log lines
     seed: int = 0
     device: str = "cpu"
 
@@ -161,43 +172,146 @@ def train_eagle3(target_path: str, sequences: list[list[int]], output_dir: str, 
     examples = collect_examples(target_path, sequences, capture, config.device)
     embed, head = (t.to(config.device, torch.float32) for t in load_target_embedding_and_head(target_path, tcfg))
 
-    # Draft vocabulary: the most frequent labels (ties to the lower id), ascending; d2t holds offsets to target ids.
+    # Draft vocabulary: the most frequent labels; d2t holds offsets to target ids.
     counts = torch.bincount(torch.cat([e.labels for e in examples]), minlength=tcfg.vocab_size)
-    n_draft = min(config.draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size)
-    hot = torch.sort(torch.sort(-counts, stable=True).indices[:n_draft]).values
-    to_draft = torch.full((tcfg.vocab_size,), -100, dtype=torch.int64)  # -100: ignored by cross_entropy
-    to_draft[hot] = torch.arange(n_draft)
+    hot, to_draft = _draft_vocab(counts, config.draft_vocab_size or tcfg.vocab_size)
+    n_draft = hot.numel()
 
-    h = tcfg.hidden_size
-    model = Eagle3TrainHead(h, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size, n_draft,
-                            tcfg.rms_norm_eps, tcfg.rope_theta).to(config.device)
+    model = build_head(tcfg, n_draft, config)
     with torch.no_grad():
         model.lm_head.weight.copy_(head[hot.to(head.device)])  # warm start: the target's own rows
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / config.steps))
-    n, losses, accs = config.ttt_steps, [], []
-    for step in range(config.steps):
+
+    def next_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch = [_crop(rng.choice(examples), config.seq_len, rng) for _ in range(config.batch_size)]
         length = min(len(e.tokens) for e in batch)
-        t = length - n  # base positions p in [0, t): step j needs token t_{p+1+j} and label at p+1+j
         tokens = torch.stack([e.tokens[:length] for e in batch]).to(config.device)
-        aux = torch.stack([e.aux[:t] for e in batch]).to(config.device)
-        labels = to_draft[torch.stack([e.labels[:length] for e in batch])].to(config.device)
-        embeds = F.pad(embed[tokens[:, 1:]], (0, 0, 0, 1))  # (B, length, H): t_1.., padded
-        logits = model.unrolled_logits(embeds, aux, n)
-        loss = sum(config.ttt_decay**j * F.cross_entropy(lg.flatten(0, 1), labels[:, 1 + j:1 + j + t].flatten())
-                   for j, lg in enumerate(logits))
+        aux = torch.stack([e.aux[:length - config.ttt_steps] for e in batch]).to(config.device)
+        labels = torch.stack([e.labels[:length] for e in batch]).to(config.device)
+        return tokens, aux, labels
+
+    stats = _train_loop(model, embed, to_draft.to(config.device), next_batch, config)
+    save_eagle3(model, output_dir, tcfg, hot, config)
+    return stats
+
+
+def train_eagle3_online(target: nn.Module, stream: torch.Tensor, output_dir: str, config: TrainConfig,
+                        name: str = "eagle3") -> dict:
+    """Train on random seq_len windows of a token stream (int tensor), running the HF causal-LM `target` (already
+    on config.device) for features and labels at every step; writes the published checkpoint, returns stats."""
+    from runtime.config import ModelConfig
+    from runtime.models.eagle3 import eagle3_capture_layers
+
+    torch.manual_seed(config.seed)
+    tcfg = ModelConfig.from_hf_config(target.config, eos_token_ids=[])
+    capture = eagle3_capture_layers(tcfg.num_layers, config.aux_layer_ids)
+    if max(capture) >= tcfg.num_layers:  # HF's last hidden_states entry is after the final norm, not a layer input
+        raise ValueError(f"online EAGLE-3 training captures layer inputs < {tcfg.num_layers}, got {capture}")
+    device = torch.device(config.device)
+    target.eval().requires_grad_(False)
+    embed = target.get_input_embeddings().weight.detach().float()  # (V, H)
+    head = target.get_output_embeddings().weight.detach().float()  # (V, H)
+    # Draft vocabulary: the most frequent tokens of the stream (the labels are the target's next-token guesses,
+    # distributed like the tokens themselves).
+    counts = torch.bincount(stream.long().flatten(), minlength=tcfg.vocab_size)[: tcfg.vocab_size]
+    hot, to_draft = _draft_vocab(counts, config.draft_vocab_size or tcfg.vocab_size)
+    model = build_head(tcfg, hot.numel(), config)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head[hot.to(head.device)])
+    from tools.lm_train import StreamSampler
+
+    sampler = StreamSampler(stream, config.seq_len - 1, config.device, config.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
+
+    def next_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = sampler.sample(config.batch_size)  # (B, seq_len)
+        with torch.no_grad(), autocast:
+            out = target(input_ids=tokens, output_hidden_states=True)
+        t = tokens.shape[1] - config.ttt_steps
+        aux = torch.cat([out.hidden_states[i][:, :t] for i in capture], dim=-1).float()  # (B, t, 3H)
+        return tokens, aux, out.logits.argmax(-1)
+
+    stats = _train_loop(model, embed, to_draft.to(device), next_batch, config, name)
+    save_eagle3(model, output_dir, tcfg, hot, config)
+    return stats
+
+
+def build_head(tcfg, draft_vocab_size: int, config: TrainConfig) -> Eagle3TrainHead:
+    return Eagle3TrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim,
+                           config.intermediate_size or tcfg.intermediate_size, draft_vocab_size, tcfg.rms_norm_eps,
+                           tcfg.rope_theta).to(config.device)
+
+
+def ttt_loss(model: Eagle3TrainHead, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor,
+             labels: torch.Tensor, config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens (B, L), aux (B, L - n, 3H) target features of positions 0.., labels (B, L) draft ids of the target's
+    argmax (-100 outside the draft vocabulary). Draft position p holds (t_{p+1}, f_p) and step j predicts the target's
+    choice after t_{p+1+j}, i.e. labels[p+1+j]. Returns (weighted loss, step-0 accuracy)."""
+    n = config.ttt_steps
+    t = tokens.shape[1] - n
+    embeds = F.pad(embed[tokens[:, 1:]], (0, 0, 0, 1))  # (B, L, H): t_1.., padded
+    logits = model.unrolled_logits(embeds, aux, n)
+    loss = sum(config.ttt_decay**j * F.cross_entropy(lg.float().flatten(0, 1), labels[:, 1 + j:1 + j + t].flatten())
+               for j, lg in enumerate(logits))
+    with torch.no_grad():
+        want = labels[:, 1:1 + t]
+        acc = (logits[0].argmax(-1) == want)[want >= 0].float().mean()
+    return loss, acc
+
+
+def _draft_vocab(counts: torch.Tensor, n_draft: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hot target ids ascending, target id -> draft id map with -100 = not in the draft vocabulary): the most
+    frequent ids, ties to the lower id."""
+    vocab = counts.numel()
+    n_draft = min(n_draft, vocab)
+    hot = torch.sort(torch.sort(-counts.cpu(), stable=True).indices[:n_draft]).values
+    to_draft = torch.full((vocab,), -100, dtype=torch.int64)  # -100: ignored by cross_entropy
+    to_draft[hot] = torch.arange(n_draft)
+    return hot, to_draft
+
+
+def _train_loop(model: Eagle3TrainHead, embed: torch.Tensor, to_draft: torch.Tensor, next_batch, config: TrainConfig,
+                name: str = "eagle3") -> dict:
+    """AdamW, 20-step warm-up then linear decay to 10% over steps (or the time budget, whichever ends first)."""
+    import time
+
+    from tools.lm_train import log, progress
+
+    device = torch.device(config.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0, fused=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
+    losses, accs, curve = [], [], []
+    start, step = time.time(), 0
+    while step < config.steps:
+        elapsed = time.time() - start
+        frac = max(step / config.steps, elapsed / config.time_budget_s if config.time_budget_s else 0.0)
+        if frac >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = config.lr * min(1.0, (step + 1) / 20) * max(0.1, 1 - frac)
+        tokens, aux, labels = next_batch(step)
+        with autocast:
+            loss, acc = ttt_loss(model, embed, tokens, aux, to_draft[labels], config)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            want = labels[:, 1:1 + t]
-            accs.append(float((logits[0].argmax(-1) == want)[want >= 0].float().mean()))
-    save_eagle3(model, output_dir, tcfg, hot, config)
-    return {"final_loss": sum(losses[-10:]) / len(losses[-10:]), "step0_accuracy": sum(accs[-10:]) / len(accs[-10:])}
+        step += 1
+        losses.append(loss.detach())
+        accs.append(acc)
+        if config.log_every and (step % config.log_every == 0 or step == 1):
+            loss_value, acc_value = loss.item(), acc.item()
+            curve.append((step, round(loss_value, 4), round(acc_value, 4)))
+            ntok = step * tokens.shape[0] * tokens.shape[1]
+            line = (f"step {step} loss {loss_value:.3f} step0-acc {acc_value:.3f} "
+                    f"tok/s {ntok / max(time.time() - start, 1e-9):,.0f}")
+            if config.progress_bar:
+                progress(round(frac * 1000), 1000, start, f"{name} {line}")
+            else:
+                log(f"{name} {line} elapsed {time.time() - start:.0f}s")
+    tail = max(1, min(10, len(losses)))
+    return {"final_loss": float(torch.stack(losses[-tail:]).mean()),
+            "step0_accuracy": float(torch.stack(accs[-tail:]).mean()), "steps": step,
+            "wall_time_s": round(time.time() - start, 1), "loss_curve": curve}
 
 
 def save_eagle3(model: Eagle3TrainHead, output_dir: str, tcfg, hot: torch.Tensor, config: TrainConfig) -> None:
@@ -205,7 +319,8 @@ def save_eagle3(model: Eagle3TrainHead, output_dir: str, tcfg, hot: torch.Tensor
     from safetensors.torch import save_file
 
     os.makedirs(output_dir, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    dtype = getattr(torch, config.save_dtype)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     n_draft = hot.numel()
     tensors["d2t"] = hot - torch.arange(n_draft)  # offsets: target = draft + d2t[draft]
     t2d = torch.zeros(tcfg.vocab_size, dtype=torch.bool)
@@ -217,14 +332,14 @@ def save_eagle3(model: Eagle3TrainHead, output_dir: str, tcfg, hot: torch.Tensor
         eagle_config["eagle_aux_hidden_state_layer_ids"] = list(config.aux_layer_ids)
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
+        "hidden_size": tcfg.hidden_size, "intermediate_size": model.midlayer.mlp.gate_proj.out_features,
         "num_attention_heads": tcfg.num_heads, "num_key_value_heads": tcfg.num_kv_heads, "head_dim": tcfg.head_dim,
         "num_hidden_layers": 1, "rms_norm_eps": tcfg.rms_norm_eps, "rope_theta": tcfg.rope_theta,
         "max_position_embeddings": tcfg.max_position_embeddings, "vocab_size": tcfg.vocab_size,
         "draft_vocab_size": n_draft, "target_hidden_size": tcfg.hidden_size, "hidden_act": "silu",
-        "tie_word_embeddings": False, "torch_dtype": "float32", "bias": False,
+        "tie_word_embeddings": False, "torch_dtype": config.save_dtype, "bias": False,
         "eagle_config": eagle_config,
-        "training": {k: v for k, v in asdict(config).items() if k != "device"},
+        "training": {k: v for k, v in asdict(config).items() if k not in ("device", "log_every", "progress_bar")},
     }
     with open(os.path.join(output_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

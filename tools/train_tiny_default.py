@@ -24,10 +24,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
-import os
 import random
 import sys
 import sysconfig
@@ -36,33 +33,28 @@ from pathlib import Path
 
 import torch
 
-EOT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIALS = [EOT, IM_START, IM_END]  # ids 0, 1, 2
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.lm_data import (  # noqa: E402
+    MAX_FILE_BYTES,
+    encode_docs,
+    list_hash,
+    llama_config,
+    make_chat_examples,
+    name_hash,
+    save_model,
+    train_tokenizer,
+)
+from tools.lm_train import LMTrainConfig, heldout_loss, log, train_lm  # noqa: E402
 
 TARGET_NAME = "tandem-tiny-code"
 DRAFT_NAME = "tandem-tiny-code-draft"
-
-# Qwen-style ChatML template. System message is optional (no default system prompt).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 
 TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                     intermediate_size=768)
 DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=384)
 
-MAX_FILE_BYTES = 400_000
 HELDOUT_MOD = 20  # ~5%
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -84,7 +76,7 @@ def collect_files() -> tuple[Path, list[str]]:
 
 
 def is_heldout(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % HELDOUT_MOD == 0
+    return name_hash(rel) % HELDOUT_MOD == 0
 
 
 def read_text(root: Path, rel: str) -> str | None:
@@ -94,195 +86,15 @@ def read_text(root: Path, rel: str) -> str | None:
         return None
 
 
-def list_hash(rels: list[str]) -> str:
-    return hashlib.sha256("\n".join(rels).encode()).hexdigest()
-
-
-def make_chat_examples(texts: list[str], n: int, rng: random.Random) -> list[str]:
-    """A few ChatML-formatted samples so the model learns the chat format and to stop at <|im_end|>.
-
-    user: "Continue this Python code:" + a few lines; assistant: the next few lines of the same file."""
-    out = []
-    cands = [t for t in texts if t.count("\n") > 20]
-    for _ in range(n):
-        lines = rng.choice(cands).split("\n")
-        k = rng.randint(3, 12)
-        m = rng.randint(2, 8)
-        i = rng.randint(0, max(0, len(lines) - k - m))
-        user = "Continue this Python code:\n" + "\n".join(lines[i:i + k])
-        assistant = "\n".join(lines[i + k:i + k + m]).strip("\n")
-        if not assistant.strip():
-            continue
-        out.append(f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n{assistant}{IM_END}\n")
-    return out
-
-
-# ---------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2]
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None,
-        additional_special_tokens=[IM_START, IM_END],
-        model_max_length=2048, clean_up_tokenization_spaces=False,
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    save_tokenizer(hf, out_dir)
-    return hf
-
-
-def save_tokenizer(tok, folder: Path) -> None:
-    """save_pretrained, then make tokenizer_config.json readable by transformers 4.x as well as 5.x:
-    class PreTrainedTokenizerFast (5.x writes "TokenizersBackend"), the special tokens as
-    additional_special_tokens, and the chat template inline (5.x writes only chat_template.jinja)."""
-    tok.save_pretrained(folder)
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg.pop("extra_special_tokens", None)
-    for k in ("backend", "is_local", "local_files_only"):
-        cfg.pop(k, None)
-    cfg["additional_special_tokens"] = [IM_START, IM_END]
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-
-
-def encode_docs(tok, docs: list[str]) -> torch.Tensor:
-    """Concatenate docs, each followed by <|endoftext|>, into one token stream (int32)."""
-    ids: list[int] = []
-    backend = tok.backend_tokenizer
-    B = 256
-    for s in range(0, len(docs), B):
-        for enc in backend.encode_batch(docs[s:s + B], add_special_tokens=False):
-            ids.extend(enc.ids)
-            ids.append(0)
-    return torch.tensor(ids, dtype=torch.int32)
-
-
-# ------------------------------------------------------------------------------------------- models
-def make_config(shape: dict, vocab_size: int):
-    from transformers import LlamaConfig
-    return LlamaConfig(
-        vocab_size=vocab_size, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0, initializer_range=0.02,
-        attn_implementation="sdpa", **shape,
-    )
-
-
-def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` steps, then cosine decay to 10% of peak over the wall-clock budget.
-
-    The decay follows elapsed time / budget (not a step count) so that the run still anneals properly
-    when the CPU is shared with other processes and the step rate changes mid-run."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = min(1.0, max(0.0, frac))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
 def train_model(name, shape, vocab_size, stream, args, minutes, peak_lr, seed, bench_steps=0):
     from transformers import LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(make_config(shape, vocab_size))
-    model.train()
-    nparams = sum(p.numel() for p in model.parameters())
-    log(f"{name}: {nparams / 1e6:.2f} M params, shape {shape}, budget {minutes:.1f} min")
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=peak_lr, betas=(0.9, 0.95), eps=1e-8)
-    T, B = args.context, args.batch
-    g = torch.Generator().manual_seed(seed)
-    n = stream.numel() - T - 1
-    budget = minutes * 60.0
-    warmup = 30
-    t0 = time.time()
-    tokens = step = 0
-    ema = lv = None
-    while True:
-        el = time.time() - t0
-        if (bench_steps and step >= bench_steps) or (not bench_steps and el >= budget):
-            break
-        idx = torch.randint(0, n, (B,), generator=g)
-        batch = torch.stack([stream[i:i + T + 1] for i in idx.tolist()]).long()
-        for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, el / budget, peak_lr, warmup)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
-            logits = model(input_ids=batch[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        tokens += B * T
-        lv = loss.item()
-        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
-        if step % args.log_every == 0 or step == bench_steps:
-            el = time.time() - t0
-            log(f"{name} step {step} loss {lv:.3f} (ema {ema:.3f}) lr {opt.param_groups[0]['lr']:.2e} "
-                f"tok/s {tokens / el:,.0f} tokens {tokens / 1e6:.2f}M elapsed {el:.0f}/{budget:.0f}s")
-    wall = time.time() - t0
-    model.eval()
-    return model, dict(params=nparams, steps=step, tokens_seen=tokens, final_train_loss_ema=round(ema, 4),
-                       final_train_loss_last=round(lv, 4), wall_time_s=round(wall, 1),
-                       tokens_per_s=round(tokens / wall), batch=B, context=T, peak_lr=peak_lr,
-                       warmup_steps=warmup, schedule="linear warmup (30 steps) + cosine to 10% over the wall-clock budget",
-                       optimizer="AdamW(betas=(0.9,0.95), wd=0.1)", bf16_autocast=args.bf16_autocast,
-                       seed=seed)
-
-
-def save_model(model, tok, folder: Path, dtype: torch.dtype):
-    from transformers import GenerationConfig
-    folder.mkdir(parents=True, exist_ok=True)
-    model = model.to(dtype)
-    model.config.torch_dtype = dtype
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[0, 2], pad_token_id=0,
-                                               do_sample=False, max_new_tokens=256)
-    model.save_pretrained(folder, safe_serialization=True)
-    add_legacy_config_keys(folder)
-    save_tokenizer(tok, folder)
-
-
-def add_legacy_config_keys(folder: Path) -> None:
-    """transformers 5.x writes "dtype" and "rope_parameters"; add the 4.x spellings too ("torch_dtype",
-    "rope_theta") so that either major version (the GPU host may run 4.x) reads the same model."""
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    if "dtype" in cfg:
-        cfg.setdefault("torch_dtype", cfg["dtype"])
-    rp = cfg.get("rope_parameters") or {}
-    cfg.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
-    cfg.setdefault("rope_scaling", None)
-    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
-# --------------------------------------------------------------------------------------------- eval
-@torch.no_grad()
-def heldout_loss(model, ids: list[torch.Tensor], T: int, max_tokens: int) -> float:
-    tot, cnt = 0.0, 0
-    for x in ids:
-        for s in range(0, x.numel() - 1, T):
-            chunk = x[s:s + T + 1].long()
-            if chunk.numel() < 2:
-                break
-            logits = model(input_ids=chunk[None, :-1]).logits[0].float()
-            tot += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            cnt += chunk.numel() - 1
-            if cnt >= max_tokens:
-                return tot / cnt
-    return tot / max(cnt, 1)
+    model = LlamaForCausalLM(llama_config(shape, vocab_size))
+    cfg = LMTrainConfig(batch_size=args.batch, context_len=args.context, peak_lr=peak_lr, seed=seed,
+                        max_steps=bench_steps or None, time_budget_s=None if bench_steps else minutes * 60.0,
+                        bf16_autocast=args.bf16_autocast, log_every=args.log_every)
+    info = train_lm(model, stream, cfg, name)
+    return model, dict(info, shape=shape)
 
 
 @torch.no_grad()
