@@ -1,0 +1,282 @@
+"""In-process speculative decoding measurements: mean accept length (tokens per target step, bonus included) and
+batch-1 tokens/s of Tandem's engine pieces (ModelRunner + TargetEngine + the draft_service proposers, no gRPC), and
+tokens/s of HF `generate` peers (plain, assisted generation with a draft, prompt lookup) on the same prompts.
+
+The engine loop is the gateway's step loop without the wire: prefill, then propose -> verify until every sequence has
+its new tokens (ignore_eos). Knows nothing about training; tools/train_demo_pair.py and tests call it.
+
+    python -m tools.spec_eval --model models/tandem-demo-code --prompts models/tandem-demo-code/heldout_prompts.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    algorithm: str  # NONE | STANDALONE | EAGLE3 | EAGLE | NGRAM
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 1
+
+
+def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False) -> list[Method]:
+    methods = [Method("AR", "NONE")]
+    if has_draft:
+        methods += [Method("STANDALONE chain 3/1/4", "STANDALONE", 3, 1, 4),
+                    Method("STANDALONE tree 4/2/8", "STANDALONE", 4, 2, 8)]
+    if has_eagle3:
+        methods += [Method("EAGLE3 chain 3/1/4", "EAGLE3", 3, 1, 4),
+                    Method("EAGLE3 tree 5/4/16", "EAGLE3", 5, 4, 16),
+                    Method("EAGLE3 tree 6/8/32", "EAGLE3", 6, 8, 32)]
+    if has_eagle:
+        methods += [Method("EAGLE chain 3/1/4", "EAGLE", 3, 1, 4), Method("EAGLE tree 5/4/16", "EAGLE", 5, 4, 16)]
+    methods.append(Method("NGRAM (prompt lookup) 8", "NGRAM", 0, 1, 8))
+    return methods
+
+
+def load_prompts(path: str | Path) -> list[list[int]]:
+    with open(path) as f:
+        return [json.loads(line)["prompt_ids"] for line in f if line.strip()]
+
+
+class EngineBench:
+    """One target engine per feature mode, proposers built once (NGRAM fresh per batch: its trie is global)."""
+
+    def __init__(self, target_path: str, draft_path: str | None, eagle3_path: str | None, device: str,
+                 eagle_path: str | None = None, max_total_tokens: int = 65536) -> None:
+        from runtime.config import EngineConfig
+        from runtime.model_runner import ModelRunner
+
+        self.engine_config = EngineConfig(device=device, dtype="auto", max_total_tokens=max_total_tokens)
+        self.target_path, self.draft_path = target_path, draft_path
+        self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path}
+        self.runner = ModelRunner(target_path, self.engine_config)
+        self._proposers: dict[str, object] = {}
+
+    def proposer(self, algorithm: str, num_draft_tokens: int):
+        if algorithm == "NGRAM":
+            from draft_service.ngram import NgramConfig
+            from draft_service.ngram_draft import NgramDraft
+
+            return NgramDraft(NgramConfig(num_draft_tokens=num_draft_tokens))
+        if algorithm not in self._proposers:
+            if algorithm == "STANDALONE":
+                from draft_service.standalone import StandaloneProposer
+                from runtime.model_runner import ModelRunner
+
+                self._proposers[algorithm] = StandaloneProposer(ModelRunner(self.draft_path, self.engine_config))
+            else:
+                from draft_service.eagle import EagleProposer
+
+                self._proposers[algorithm] = EagleProposer(self.target_path, self.head_paths[algorithm],
+                                                           self.engine_config, algorithm)
+        return self._proposers[algorithm]
+
+    def run(self, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+            batch_size: int = 64) -> dict:
+        """Generate max_new_tokens for every prompt; returns tau, steps, tokens, seconds, tokens/s."""
+        from target_service.engine import TargetEngine
+
+        proposer = None
+        capture: dict = {}
+        if method.algorithm in ("EAGLE3", "EAGLE"):
+            proposer = self.proposer(method.algorithm, method.num_draft_tokens)
+            capture = ({"feature_layers": proposer.target_capture_layers} if method.algorithm == "EAGLE3"
+                       else {"final_norm_features": True})
+        engine = TargetEngine(self.runner, **capture)
+        steps = tokens = 0
+        _sync(self.runner.device)
+        start = time.perf_counter()
+        for b in range(0, len(prompts), batch_size):
+            if method.algorithm in ("STANDALONE", "NGRAM"):
+                proposer = self.proposer(method.algorithm, method.num_draft_tokens)
+            s, t = _generate(engine, proposer, method, prompts[b:b + batch_size], max_new_tokens, temperature, b)
+            steps, tokens = steps + s, tokens + t
+        _sync(self.runner.device)
+        seconds = time.perf_counter() - start
+        return {"method": method.name, "algorithm": method.algorithm, "temperature": temperature,
+                "batch_size": min(batch_size, len(prompts)), "prompts": len(prompts), "tau": tokens / max(steps, 1),
+                "target_steps": steps, "tokens": tokens, "seconds": round(seconds, 3),
+                "tokens_per_s": tokens / seconds}
+
+
+def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+              offset: int) -> tuple[int, int]:
+    """(verify steps, generated tokens) over one batch; the prefill's first token is not a speculative step."""
+    from draft_service.proposer import ProposeInput, SpecShape
+    from runtime.sampling import SamplingParams
+    from runtime.speculative.tree import DraftTree
+    from target_service.engine import Finish, PrefillInput, StopRule, VerifyInput
+
+    feats = proposer is not None and proposer.needs_features
+    spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
+    ids = [f"p{offset + i}" for i in range(len(prompts))]
+    sampling = {s: SamplingParams(temperature=temperature, seed=offset + i) for i, s in enumerate(ids)}
+    stops = {s: StopRule(max_new_tokens, ignore_eos=True, prompt_len=len(p)) for s, p in zip(ids, prompts)}
+    outs = engine.prefill([PrefillInput(s, list(p), True, sampling[s], stops[s], return_features=feats)
+                           for s, p in zip(ids, prompts)])
+    committed = {o.seq_id: list(p) + o.token_ids for o, p in zip(outs, prompts)}
+    new: dict[str, tuple[list[int], torch.Tensor | None]] = {}
+    for o in outs:
+        if proposer is not None:
+            proposer.prefill(o.seq_id, committed[o.seq_id], o.features[: len(committed[o.seq_id]) - 1] if feats
+                             else None)
+        new[o.seq_id] = ([], o.features[:0] if feats else None)
+    active = [o.seq_id for o in outs if o.finish == Finish.NONE]
+    steps = 0
+    tokens = len(outs)
+    while active:
+        trees = {s: DraftTree([], []) for s in active}
+        if proposer is not None:
+            for res in proposer.propose([ProposeInput(s, len(committed[s]), new[s][0], spec, new[s][1])
+                                         for s in active]):
+                trees[res.seq_id] = res.tree
+        outs = engine.verify([VerifyInput(s, len(committed[s]), committed[s][-1], trees[s], sampling[s], stops[s],
+                                          return_features=feats) for s in active])
+        done = []
+        for o in outs:
+            committed[o.seq_id] += o.token_ids
+            new[o.seq_id] = (o.token_ids, o.features if feats else None)
+            tokens += len(o.token_ids)
+            if o.finish != Finish.NONE:
+                done.append(o.seq_id)
+        steps += len(outs)
+        active = [s for s in active if s not in done]
+        if proposer is not None and done:
+            proposer.release(done)
+    # The prefill token costs a target forward too, so count it as a step of one token.
+    return steps + len(prompts), tokens
+
+
+def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assistant=None,
+                    prompt_lookup_num_tokens: int | None = None) -> dict:
+    """Batch-1 greedy HF generate over the prompts (ignore eos): plain, assisted or prompt lookup."""
+    device = next(target.parameters()).device
+    kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                        eos_token_id=None, pad_token_id=0)
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+    if prompt_lookup_num_tokens:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
+    ids0 = torch.tensor([prompts[0]], device=device)
+    with torch.no_grad():
+        target.generate(ids0, attention_mask=torch.ones_like(ids0), **dict(kwargs, max_new_tokens=8,
+                                                                            min_new_tokens=8))  # warm-up
+        _sync(device)
+        start, tokens = time.perf_counter(), 0
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            tokens += out.shape[1] - ids.shape[1]
+        _sync(device)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": tokens / seconds}
+
+
+def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, prompts: list[list[int]],
+             device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
+             eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None) -> dict:
+    """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
+    speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
+    remaining measurements are skipped and listed under "skipped"."""
+    from transformers import AutoModelForCausalLM
+
+    bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path)
+    methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None)
+    rows, skipped = [], []
+    late = lambda: deadline is not None and time.time() > deadline  # noqa: E731
+    for m in methods:
+        row = {"method": m.name}
+        if late():
+            skipped.append(m.name)
+            continue
+        for temp in temperatures:
+            batch = 1 if m.algorithm == "NGRAM" else 64  # the NGRAM trie is global: one prompt per trie
+            r = bench.run(m, prompts, max_new_tokens, temp, batch_size=batch)
+            row[f"tau_t{temp:g}"] = round(r["tau"], 3)
+            log(f"{m.name} T={temp:g}: tau {r['tau']:.3f} ({r['tokens']} tokens, {r['target_steps']} target steps, "
+                f"{r['seconds']:.1f}s at batch {r['batch_size']})")
+        if speed_prompts and not late():
+            r = bench.run(m, prompts[:speed_prompts], max_new_tokens, 0.0, batch_size=1)
+            row["tokens_per_s_b1"] = round(r["tokens_per_s"], 1)
+            log(f"{m.name}: {r['tokens_per_s']:.1f} tok/s at batch 1 (greedy)")
+        rows.append(row)
+    peers = []
+    if speed_prompts and not late():
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+        draft = (AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(device).eval()
+                 if draft_path else None)
+        sp = prompts[:speed_prompts]
+        for name, kw in (("HF generate", {}), ("HF assisted (draft)", {"assistant": draft}),
+                         ("HF prompt lookup (4)", {"prompt_lookup_num_tokens": 4}),
+                         ("HF prompt lookup (10)", {"prompt_lookup_num_tokens": 10})):
+            if "assistant" in kw and draft is None:
+                continue
+            if late():
+                skipped.append(name)
+                continue
+            r = hf_tokens_per_s(target, sp, max_new_tokens, **kw)
+            peers.append({"method": name, "tokens_per_s_b1": round(r["tokens_per_s"], 1)})
+            log(f"{name}: {r['tokens_per_s']:.1f} tok/s at batch 1 (greedy)")
+    return {"device": device, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "speed_prompts": speed_prompts, "engine": rows, "hf": peers, "skipped": skipped}
+
+
+def markdown(result: dict) -> str:
+    ar = next((r.get("tokens_per_s_b1") for r in result["engine"] if r["method"] == "AR"), None)
+    temps = sorted({k for r in result["engine"] for k in r if k.startswith("tau_")})
+    head = "| method | " + " | ".join(f"τ (T={t[5:]})" for t in temps) + " | tok/s (batch 1, greedy) | vs AR |"
+    lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {result['max_new_tokens']} new "
+             f"tokens; tok/s over the first {result['speed_prompts']}.", "", head,
+             "|" + "---|" * (len(temps) + 3)]
+    for r in result["engine"] + result["hf"]:
+        tps = r.get("tokens_per_s_b1")
+        vs = f"{tps / ar:.2f}x" if tps and ar else "-"
+        taus = " | ".join(f"{r[t]:.2f}" if t in r else "-" for t in temps)
+        lines.append(f"| {r['method']} | {taus} | {tps if tps is not None else '-'} | {vs} |")
+    return "\n".join(lines) + "\n"
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="target checkpoint folder")
+    p.add_argument("--draft", default=None, help="STANDALONE draft folder")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
+    p.add_argument("--eagle", default=None, help="EAGLE (EAGLE-2) head folder")
+    p.add_argument("--prompts", required=True, help="jsonl with prompt_ids per line")
+    p.add_argument("--num-prompts", type=int, default=40, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--speed-prompts", type=int, default=10, help="prompts of the batch-1 tokens/s runs (0 = none)")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--out", default=None, help="write JSON here and the markdown table beside it (.md)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
+    result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
+                      args.speed_prompts, eagle_path=args.eagle)
+    table = markdown(result)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).with_suffix(".md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()

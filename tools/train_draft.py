@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Train a draft for ANY Llama-family target folder from a text corpus: a STANDALONE draft (a small Llama with the
+target's tokenizer and vocabulary) or an EAGLE-3 head (tools/train_eagle3.py, online: the target's features every
+step), on CPU or GPU, with a progress bar. Writes an HF folder the matching proposer loads, with training_info.json.
+
+    python -m tools.train_draft --kind standalone --target-model-path T --corpus src/ --output-dir D --minutes 10
+    python -m tools.train_draft --kind eagle3 --target-model-path T --corpus corpus.txt --output-dir H --device cuda
+
+The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted); documents are
+joined with the tokenizer's eos token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from tools.lm_data import add_legacy_config_keys  # noqa: E402
+from tools.lm_train import LMTrainConfig, log, train_lm  # noqa: E402
+
+CORPUS_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json")
+
+
+def read_corpus(path: str, max_mb: float) -> list[str]:
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES)
+    docs, size = [], 0
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        docs.append(text)
+        size += len(text)
+        if size >= max_mb * 1e6:
+            break
+    if not docs:
+        raise SystemExit(f"error: no readable text under {path}")
+    return docs
+
+
+def encode(tokenizer, docs: list[str]) -> torch.Tensor:
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    parts = []
+    for s in range(0, len(docs), 1024):
+        for ids in tokenizer(docs[s:s + 1024], add_special_tokens=False)["input_ids"]:
+            parts.append(torch.tensor(ids + [eos], dtype=torch.int32))
+    return torch.cat(parts)
+
+
+def standalone_config(target_config, args):
+    """A small Llama with the target's vocabulary, special ids and context length."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size, max_position_embeddings=target_config.max_position_embeddings,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
+        bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
+        pad_token_id=getattr(target_config, "pad_token_id", None), attn_implementation="sdpa")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", choices=["standalone", "eagle3"], required=True, help="what to train")
+    p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
+    p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
+    p.add_argument("--output-dir", required=True, help="where the draft folder is written")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--minutes", type=float, default=10.0, help="wall-clock training budget")
+    p.add_argument("--steps", type=int, default=None, help="also stop after this many steps")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--max-corpus-mb", type=float, default=200, help="cap on corpus text read")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="saved weights")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    g = p.add_argument_group("STANDALONE draft shape")
+    g.add_argument("--hidden-size", type=int, default=256, help="draft hidden size")
+    g.add_argument("--num-layers", type=int, default=2, help="draft decoder layers")
+    g.add_argument("--num-heads", type=int, default=4, help="draft attention heads")
+    g.add_argument("--num-kv-heads", type=int, default=2, help="draft KV heads")
+    g.add_argument("--intermediate-size", type=int, default=768, help="draft FFN width")
+    g = p.add_argument_group("EAGLE-3 head")
+    g.add_argument("--draft-vocab-size", type=int, default=None, help="head lm_head rows (default: full vocab)")
+    g.add_argument("--head-intermediate-size", type=int, default=None, help="head FFN width (default: target's)")
+    g.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll")
+    g.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
+                   help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4])")
+    args = p.parse_args(argv)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    start = time.time()
+    tokenizer = AutoTokenizer.from_pretrained(args.target_model_path)
+    stream = encode(tokenizer, read_corpus(args.corpus, args.max_corpus_mb))
+    log(f"corpus: {stream.numel() / 1e6:.2f} M tokens ({time.time() - start:.0f}s)")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bf16 = device.startswith("cuda")
+    if args.kind == "standalone":
+        from transformers import LlamaForCausalLM
+
+        target_config = AutoConfig.from_pretrained(args.target_model_path)
+        model = LlamaForCausalLM(standalone_config(target_config, args))
+        cfg = LMTrainConfig(batch_size=args.batch_size, context_len=args.seq_len, peak_lr=args.lr,
+                            max_steps=args.steps, time_budget_s=args.minutes * 60, bf16_autocast=bf16,
+                            log_every=20, progress_bar=True, seed=args.seed, device=device)
+        info = train_lm(model, stream, cfg, "draft")
+        model.to(getattr(torch, args.save_dtype)).save_pretrained(out, safe_serialization=True)
+        add_legacy_config_keys(out)
+        tokenizer.save_pretrained(out)
+    else:
+        from tools.train_eagle3 import TrainConfig, train_eagle3_online
+
+        target = AutoModelForCausalLM.from_pretrained(args.target_model_path, dtype=torch.float32).to(device)
+        cfg = TrainConfig(steps=args.steps or 10**9, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
+                          ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
+                          aux_layer_ids=args.aux_layer_ids, intermediate_size=args.head_intermediate_size,
+                          time_budget_s=args.minutes * 60, bf16_autocast=bf16, log_every=20, progress_bar=True,
+                          save_dtype=args.save_dtype, seed=args.seed, device=device)
+        info = train_eagle3_online(target, stream, str(out), cfg)
+    info = dict(kind=args.kind, target=str(args.target_model_path), corpus=str(args.corpus),
+                corpus_tokens=stream.numel(), device=device, training=info, total_wall_time_s=time.time() - start,
+                command="python -m tools.train_draft " + " ".join(sys.argv[1:] if argv is None else argv))
+    (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
