@@ -198,3 +198,18 @@ def test_hpas_scale_deployments_on_queue_depth_with_cpu_fallback():
     assert set(queue for h in hpas.values() for queue in
                [m[m["type"].lower()]["metric"]["name"] for m in h["spec"]["metrics"] if m["type"] != "Resource"]
                ) <= served
+
+
+def test_adapter_rules_query_a_series_the_gateway_really_exports():
+    """The HPA queue metric must come from a gauge the gateway's /metrics actually has."""
+    import re
+
+    from gateway.metrics import GatewayMetrics
+
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    metrics = GatewayMetrics()
+    metrics.bind(num_waiting=lambda: 0, num_running=lambda: 0, pools={})  # what the scheduler binds at start
+    exported = {m.name for m in metrics.registry.collect()}
+    for rule in [*values["rules"]["custom"], *values["rules"]["external"]]:
+        series = re.match(r"[\w:]+", rule["seriesQuery"]).group(0)
+        assert series in exported, f"{series} is not exported by the gateway"
