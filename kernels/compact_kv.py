@@ -34,6 +34,9 @@ def _compact_kv_kernel(
         dst = tl.load(dst_ptr + i, mask=i < num_moves, other=-1).to(tl.int64)
         ok = (src >= 0)[:, None] & d_ok[None, :]
         rows = tl.load(base + src[:, None] * SLOT_SIZE + d[None, :], mask=ok)  # (BLOCK_MOVES, BLOCK_D)
+        # Another thread's move may write a slot this chunk reads (path 0,2,3: 2->1 reads what 3->2 writes): every
+        # load of the chunk must be performed before any store of it.
+        tl.debug_barrier()
         tl.store(base + dst[:, None] * SLOT_SIZE + d[None, :], rows, mask=ok)
         first += BLOCK_MOVES
 
