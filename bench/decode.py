@@ -102,6 +102,11 @@ def bench_ours(cfg: ModelConfig, args, device: torch.device) -> dict:
                                                           "step_ms": 1e3 * seconds / args.steps}
             for s in seqs:
                 runner.truncate(s, args.prompt_len)
+            if use_graph:
+                # Where the time goes: the captured forward alone (GPU time, no host work) for this bucket.
+                results["decode"][name][bs]["replay_ms"] = replay_ms(runner, (bs, 1), args.steps)
+                if bs == 1:
+                    results["verify"]["replay_ms"] = replay_ms(runner, (1, args.num_draft_tokens), args.steps)
             if bs == 1:
                 results["verify"][name] = verify_cost(runner, seqs[0], args, cfg, rng)
                 runner.truncate(seqs[0], args.prompt_len)
@@ -110,6 +115,19 @@ def bench_ours(cfg: ModelConfig, args, device: torch.device) -> dict:
     runner.use_cuda_graph = runner.graph_runner is not None
     del runner
     return results
+
+
+def replay_ms(runner: ModelRunner, key: tuple[int, int], num: int) -> float | None:
+    """Milliseconds per replay of one captured graph with the inputs of the last step (rewrites those KV slots)."""
+    entry = runner.graph_runner.graphs.get(key)
+    if entry is None:
+        return None
+    sync(runner.device)
+    start = time.perf_counter()
+    for _ in range(num):
+        entry[0].replay()
+    sync(runner.device)
+    return 1e3 * (time.perf_counter() - start) / num
 
 
 def verify_cost(runner: ModelRunner, seq: str, args, cfg: ModelConfig, rng: random.Random) -> dict:
@@ -175,8 +193,8 @@ def report(results: dict, args, cfg: ModelConfig) -> str:
     ctx = args.prompt_len + args.steps // 2
     kv_per_token = kv_bytes_per_block(cfg, 1, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     bw = results["copy_bandwidth_bytes_s"]
-    rows = ["| batch | ours eager tok/s | ours graphs tok/s | HF generate tok/s | ceiling tok/s | graphs % of ceiling |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| batch | ours eager tok/s | ours graphs tok/s | HF generate tok/s | ceiling tok/s | graphs % of ceiling "
+            "| graph step ms | of it graph replay ms |", "|---|---|---|---|---|---|---|---|"]
     results["ceiling"] = {}
     for bs in args.batch_sizes:
         step_bytes = results["ours"]["weights_bytes"] + bs * ctx * kv_per_token
@@ -187,12 +205,19 @@ def report(results: dict, args, cfg: ModelConfig) -> str:
         hf = get(results.get("hf", {}))
         fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
         share = "-" if graphs is None else f"{100 * graphs / ceiling:.0f}%"
-        rows.append(f"| {bs} | {fmt(eager)} | {fmt(graphs)} | {fmt(hf)} | {fmt(ceiling)} | {share} |")
+        graph_row = results["ours"]["decode"].get("graphs", {}).get(bs, {})
+        step, replay = graph_row.get("step_ms"), graph_row.get("replay_ms")
+        rows.append(f"| {bs} | {fmt(eager)} | {fmt(graphs)} | {fmt(hf)} | {fmt(ceiling)} | {share} "
+                    f"| {'-' if step is None else f'{step:.2f}'} | {'-' if replay is None else f'{replay:.2f}'} |")
     verify = results["ours"]["verify"]
     lines = [f"device: {results['device_name']}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write); weights "
              f"{results['ours']['weights_bytes'] / 1e9:.2f} GB; context {args.prompt_len}+{args.steps} tokens", "",
              *rows, ""]
+    if verify.get("replay_ms") is not None:
+        lines.append(f"verify graph replay alone: {verify['replay_ms']:.2f} ms")
     for name, v in verify.items():
+        if not isinstance(v, dict):
+            continue
         lines.append(f"verify ({name}): {v['num_draft_tokens']} tree tokens {v['verify_ms']:.2f} ms vs decode step "
                      f"{v['decode_ms']:.2f} ms at batch 1 = {v['ratio']:.3f}x")
     return "\n".join(lines)

@@ -17,7 +17,9 @@ from runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from runtime.memory import OutOfDeviceMemory  # noqa: E402
 from runtime.model_runner import ModelRunner, SeqForward  # noqa: E402
 
-# Llama-3.1-8B attention shapes, two layers, small MLP and vocab: quick to capture.
+# Llama-3.1-8B attention shapes, two layers, small MLP and vocab: quick to capture. float32, so that graph vs eager
+# differences (other cuBLAS kernels for the padded row count, other split-KV chunks) stay far below near-ties of the
+# random-weight logits and greedy tokens can be compared exactly.
 CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=4096, num_layers=2, num_heads=32,
                      num_kv_heads=8, head_dim=128, intermediate_size=1024, max_position_embeddings=8192,
                      rope_theta=500000.0)
@@ -25,7 +27,7 @@ NDT = 16
 
 
 def _runner(backend: str, graphs: bool, **kw) -> ModelRunner:
-    cfg = dict(device="cuda", dtype="bfloat16", load_format="dummy", block_size=16, max_total_tokens=65536,
+    cfg = dict(device="cuda", dtype="float32", load_format="dummy", block_size=16, max_total_tokens=65536,
                attention_backend=backend, seed=0, disable_cuda_graph=not graphs, cuda_graph_max_bs=16,
                cuda_graph_num_draft_tokens=NDT)
     return ModelRunner(None, EngineConfig(**{**cfg, **kw}), CONFIG)
@@ -33,8 +35,8 @@ def _runner(backend: str, graphs: bool, **kw) -> ModelRunner:
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.isfinite(got).all()
-    assert (got - want).abs().max() <= 0.05 * want.abs().max() + 1e-3
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-5
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +61,8 @@ def _all(runners, batch, expect_graph: bool):
     finally:
         graph_runner.replay = original
     assert (sum(replays.values()) == 1) == expect_graph
-    for i in range(len(batch)):
-        for other in outs[1:]:
-            _close(outs[0].logits[i], other.logits[i])
+    for other in outs[1:]:
+        _close(torch.cat(outs[0].logits), torch.cat(other.logits))
     return outs
 
 
