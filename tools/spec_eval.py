@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=40, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--speed-prompts", type=int, default=10, help="prompts of the batch-1 tokens/s runs (0 = none)")
+    p.add_argument("--temperatures", type=float, nargs="*", default=[0.0, 1.0],
+                   help="temperatures of the tau runs (none = only the batch-1 tokens/s runs)")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out", default=None, help="write JSON here and the markdown table beside it (.md)")
@@ -270,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
-                      args.speed_prompts, eagle_path=args.eagle)
+                      args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle)
     table = markdown(result)
     print(table)
     if args.out:
