@@ -2,6 +2,8 @@
 (chain or speculative tree), one batched model forward per call. The API target and draft services build on.
 
 Owns KV memory and tree regions; knows nothing about sampling, acceptance or the wire. Sequences are opaque ids.
+Under tensor parallelism (`tp`), each rank's runner holds its KV heads; rank 0's runner mirrors its KV-state changes
+and forwards to the other ranks (`runtime.distributed`), whose runners are driven by `run_worker`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from runtime.attention import get_backend
 from runtime.config import EngineConfig, ModelConfig
+from runtime.distributed import StepMirror, TPGroup, TPShard
 from runtime.forward_batch import ForwardBatch, ForwardMode, SeqAttention
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
@@ -78,9 +81,12 @@ class ModelRunner:
         engine_config: EngineConfig,
         model_config: ModelConfig | None = None,
         model: torch.nn.Module | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         """model: an already loaded module (e.g. an EAGLE draft head built by its own loader) to run instead of
-        loading one from model_path; model_config then only describes its KV shape."""
+        loading one from model_path; model_config then only describes its KV shape. tp: this rank's group when the
+        model is tensor-parallel (every rank builds its runner with the same arguments, at the same time: the
+        warm-up forwards are collectives). CUDA graphs stay off under TP."""
         if model_config is None:
             if model_path is None:
                 raise ValueError("need a model_path or a model_config")
@@ -89,11 +95,18 @@ class ModelRunner:
         self.engine_config = engine_config
         self.device = torch.device(engine_config.device)
         self.dtype = resolve_dtype(engine_config, model_config)
-        self.model = model if model is not None else load_model(model_path, model_config, engine_config)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and model is not None:
+            raise ValueError("tensor parallelism needs the runner to load the model itself")
+        self.model = model if model is not None else load_model(model_path, model_config, engine_config, self.tp)
+        shard = TPShard.of(model_config, self.tp.rank, self.tp.size) if self.tp is not None else None
+        self.num_local_heads = shard.num_heads if shard else model_config.num_heads
+        self.num_local_kv_heads = shard.num_kv_heads if shard else model_config.num_kv_heads
         backend_cls = get_backend(_resolve_backend(engine_config.attention_backend, self.device))
         self.attn_backend = backend_cls(
-            model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, model_config.head_dim**-0.5
+            self.num_local_heads, self.num_local_kv_heads, model_config.head_dim, model_config.head_dim**-0.5
         )
+        self._mirror: StepMirror | None = None  # set last: warm-up forwards run on every rank by itself
         self._seqs: dict[str, _SeqState] = {}
         self.graph_runner: CudaGraphRunner | None = None
         self.use_cuda_graph = False  # replay captured graphs for fitting batches (benchmarks may switch it off)
@@ -104,10 +117,12 @@ class ModelRunner:
                 and engine_config.mem_fraction_static is not None):
             self.memory_plan = self._profile_memory()
             num_blocks = self.memory_plan.num_kv_blocks
+        if self.tp is not None:  # every rank's block manager must make the same decisions: the smallest pool wins
+            num_blocks = self.tp.min_int(num_blocks)
         self._init_kv(num_blocks)
         # Graphs need the static-buffer backend and the plain LM forward (heads passed in take extra inputs).
         if (self.device.type == "cuda" and not engine_config.disable_cuda_graph and engine_config.cuda_graph_max_bs > 0
-                and model is None and hasattr(self.attn_backend, "init_graph_buffers")):
+                and model is None and self.tp is None and hasattr(self.attn_backend, "init_graph_buffers")):
             from runtime.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, engine_config.cuda_graph_max_bs,
@@ -119,11 +134,13 @@ class ModelRunner:
             # remove the launch overhead torch.compile would mostly save here.
             logger.warning("--enable-torch-compile is accepted but not applied: the forward runs under CUDA graphs "
                            "(draft and target) without torch.compile")
+        if self.tp is not None and self.tp.is_driver:
+            self._mirror = StepMirror(self.tp)
 
     def _init_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
         self.block_manager = BlockManager(num_blocks, self.engine_config.block_size)
-        self.kv_pool = KVPool(cfg.num_layers, num_blocks, self.engine_config.block_size, cfg.num_kv_heads,
+        self.kv_pool = KVPool(cfg.num_layers, num_blocks, self.engine_config.block_size, self.num_local_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
@@ -144,7 +161,8 @@ class ModelRunner:
         peak, free, total = probe.finish()
         plan = plan_kv_blocks(total_bytes=total, free_bytes=free, weights_bytes=weights_bytes,
                               activation_peak_bytes=peak,
-                              bytes_per_block=kv_bytes_per_block(cfg, ec.block_size, self.dtype),
+                              bytes_per_block=kv_bytes_per_block(cfg, ec.block_size, self.dtype)
+                              * self.num_local_kv_heads // cfg.num_kv_heads,
                               mem_fraction_static=ec.mem_fraction_static)
         logger.info("KV pool: %d blocks (%.2f GiB); weights %.2f GiB, activation peak %.2f GiB, %.2f GiB free",
                     plan.num_kv_blocks, plan.kv_bytes / GiB, weights_bytes / GiB, peak / GiB, free / GiB)
@@ -156,6 +174,8 @@ class ModelRunner:
             raise ValueError(f"seq {seq_id!r} already exists")
         self.block_manager.allocate_seq(seq_id, 0)
         self._seqs[seq_id] = _SeqState()
+        if self._mirror is not None:
+            self._mirror.record("add_seq", seq_id)
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -171,6 +191,8 @@ class ModelRunner:
         self._state(seq_id)
         del self._seqs[seq_id]
         self.block_manager.free_seq(seq_id)
+        if self._mirror is not None:
+            self._mirror.record("free_seq", seq_id)
 
     def num_free_tokens(self) -> int:
         """Free KV capacity in tokens (whole free blocks; slack in sequences' last blocks is not counted)."""
@@ -188,6 +210,8 @@ class ModelRunner:
         self.block_manager.truncate(seq_id, kv_len)
         state.kv_len = kv_len
         state.close_region()
+        if self._mirror is not None:
+            self._mirror.record("truncate", seq_id, kv_len)
 
     def compact(self, seq_id: str, region_nodes: list[int]) -> None:
         """Keep only these region nodes, moved in this order to KV indices region_start..; closes the region."""
@@ -208,6 +232,8 @@ class ModelRunner:
         self.block_manager.truncate(seq_id, new_len)
         state.kv_len = new_len
         state.close_region()
+        if self._mirror is not None:  # the other ranks keep rank 0's accepted nodes in their own KV heads
+            self._mirror.record("compact", seq_id, list(region_nodes))
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -224,6 +250,8 @@ class ModelRunner:
         self._validate(batch)
         kv_lens = {sf.seq_id: self._seqs[sf.seq_id].kv_len for sf in batch}
         self._reserve_kv(batch)
+        if self._mirror is not None:  # validated and reserved here, so the other ranks accept it too
+            self._mirror.forward(batch, capture_layers, mode)
         try:
             fb, new_regions, out, rows_hidden, logits = self._run_model(batch, capture_layers, mode)
         except torch.cuda.OutOfMemoryError as exc:
@@ -403,6 +431,13 @@ class ModelRunner:
             num_logit_rows=num_logit_rows,
         )
         return fb, new_regions, graph_key
+
+
+    def stop_workers(self) -> None:
+        """Rank 0 of a TP group: let the other ranks' `run_worker` loops return (at shutdown)."""
+        if self._mirror is not None:
+            self._mirror.stop()
+            self._mirror = None
 
 
 def _resolve_backend(name: str, device: torch.device) -> str:

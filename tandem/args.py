@@ -45,6 +45,23 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
                    help="largest batch torch.compile would cover (no-op, see --enable-torch-compile)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = False) -> None:
+    """Device placement of a model service: --base-gpu-id (target and draft), --tp-size (target only).
+    launcher: `tandem serve` also places the draft, on its own GPU (--draft-base-gpu-id)."""
+    g = p.add_argument_group("parallelism and placement")
+    g.add_argument("--base-gpu-id", type=int, default=None,
+                   help="first GPU of this service: rank r of the target runs on cuda:(base+r); overrides --device "
+                        "(default: --device)" + ("; `serve` applies it to the targets" if launcher else ""))
+    if tp:
+        g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                       help="tensor-parallel ranks of the target (one process per rank; gloo on CPU, NCCL on CUDA; "
+                            "the model's heads, KV heads (or their multiple) and MLP width must divide evenly; CUDA "
+                            "graphs are off when > 1)")
+    if launcher:
+        g.add_argument("--draft-base-gpu-id", type=int, default=None,
+                       help="GPU of the draft service (cuda:N), e.g. one the target does not use (default: --device)")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=[*ALGORITHMS, None],

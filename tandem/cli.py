@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.args import add_gateway_args, add_model_args, add_service_ops_args, add_spec_args, resolve_spec
+from tandem.args import (add_gateway_args, add_model_args, add_parallel_args, add_service_ops_args, add_spec_args,
+                         resolve_spec)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start target, draft and gateway as separate processes on this machine")
     add_model_args(serve)
+    add_parallel_args(serve, tp=True, launcher=True)
     add_spec_args(serve)
     add_gateway_args(serve)
     serve.add_argument("--target-port", type=int, default=0,
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     target = sub.add_parser("target", help="run the target service")
     add_model_args(target)
+    add_parallel_args(target, tp=True)
     add_spec_args(target)  # feature-based drafts decide which hidden states the target captures
     _service_addr(target, 30010)
     add_service_ops_args(target)
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     draft = sub.add_parser("draft", help="run the draft service")
     add_model_args(draft)
+    add_parallel_args(draft, tp=False)
     add_spec_args(draft)
     _service_addr(draft, 30020)
     add_service_ops_args(draft)

@@ -70,6 +70,15 @@ def _service_ops_flags(args: argparse.Namespace, index: int) -> list[str]:
     return flags
 
 
+def _target_placement(args: argparse.Namespace, index: int) -> list[str]:
+    """--tp-size, and --base-gpu-id of the index-th target replica (replicas take consecutive GPU ranges)."""
+    tp_size = getattr(args, "tp_size", 1)
+    flags = ["--tp-size", str(tp_size)] if tp_size > 1 else []
+    if getattr(args, "base_gpu_id", None) is not None:
+        flags += ["--base-gpu-id", str(args.base_gpu_id + index * tp_size)]
+    return flags
+
+
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway)."""
     base = [sys.executable, "-m", "tandem.cli"]
@@ -79,7 +88,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     for i in range(args.num_target_replicas):
         port = args.target_port + i if args.target_port else _free_port(host)
         cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
-                               "--service-port", str(port), *_service_ops_flags(args, i)]
+                               "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i)]
         target_addrs.append(f"{host}:{port}")
     if args.speculative_algorithm != "NONE":
         for i in range(args.num_draft_replicas):
@@ -87,6 +96,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
             cmds[f"draft-{i}"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
                                   "--service-port", str(port),
                                   *_service_ops_flags(args, args.num_target_replicas + i)]
+            if getattr(args, "draft_base_gpu_id", None) is not None:
+                cmds[f"draft-{i}"] += ["--base-gpu-id", str(args.draft_base_gpu_id)]
             draft_addrs.append(f"{host}:{port}")
     gateway = [*base, "gateway", *_model_flags(args), *_spec_flags(args), "--target-address", ",".join(target_addrs),
                "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port),
@@ -95,6 +106,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                "--request-timeout", str(args.request_timeout), "--startup-timeout", str(args.startup_timeout)]
     if draft_addrs:
         gateway += ["--draft-address", ",".join(draft_addrs)]
+    if getattr(args, "enable_overlap_drafting", False):
+        gateway += ["--enable-overlap-drafting"]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:

@@ -16,7 +16,10 @@ logger = logging.getLogger("tandem")
 def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, target: bool = False):
     from runtime.config import EngineConfig
 
-    kwargs = dict(device=args.device, dtype=args.dtype, load_format=load_format or args.load_format,
+    device = args.device
+    if getattr(args, "base_gpu_id", None) is not None:
+        device = f"cuda:{args.base_gpu_id}"  # rank 0's GPU; the TP launcher places the other ranks after it
+    kwargs = dict(device=device, dtype=args.dtype, load_format=load_format or args.load_format,
                   attention_backend=args.attention_backend, block_size=args.kv_block_size, seed=args.random_seed,
                   mem_fraction_static=getattr(args, "mem_fraction_static", None),
                   cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", 64),
@@ -55,13 +58,28 @@ async def run_target(args: argparse.Namespace) -> None:
     from target_service.server import serve_target
 
     path = model_path(args)
-    runner = _build_runner(None if args.load_format == "dummy" and not Path(path).exists() else path,
-                           _engine_config(args, target=True))
+    weights = None if args.load_format == "dummy" and not Path(path).exists() else path
+    engine_config = _engine_config(args, target=True)
+    tp_size = getattr(args, "tp_size", 1)
+    launcher = None
+    if tp_size > 1:
+        from target_service.tp import TPLauncher
+
+        if getattr(args, "speculative_algorithm", "NONE") in ("EAGLE", "EAGLE3"):
+            raise SystemExit("error: --tp-size > 1 does not capture features for EAGLE/EAGLE3 drafts yet")
+        launcher = TPLauncher(weights, engine_config, tp_size)
+        runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
+    else:
+        runner = _build_runner(weights, engine_config)
     server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=_server_credentials(args))
-    print(f"tandem target ready on {args.service_host}:{port}", flush=True)
-    await _serve_until_signal(server)
+    print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else ""), flush=True)
+    try:
+        await _serve_until_signal(server)
+    finally:
+        if launcher is not None:
+            launcher.stop()
 
 
 def _feature_capture(args: argparse.Namespace, runner) -> dict:

@@ -1,6 +1,11 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache, with fused qkv and gate_up
 projections. Numerics follow HF transformers (fp32 RMSNorm, rotate-half RoPE) so its logits are the test oracle.
 
+Tensor parallelism (given a `runtime.distributed.TPGroup`): qkv_proj and gate_up_proj are column-parallel (each rank
+holds its query heads, KV heads and MLP slice), o_proj and down_proj row-parallel followed by an all-reduce,
+lm_head vocab-parallel followed by an all-gather of the logits; embeddings and norms are replicated. Without a group
+the modules are exactly the single-device ones.
+
 Owns the weights and the math; the attention backend owns the KV layout and masks, the loader owns weight files.
 """
 
@@ -14,6 +19,7 @@ from torch import nn
 
 from runtime.attention import AttentionBackend
 from runtime.config import ModelConfig
+from runtime.distributed import TPGroup, TPShard
 from runtime.kv_pool import KVPool
 from runtime.models import register_model
 
@@ -90,14 +96,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        shard = TPShard.of(config, tp.rank, tp.size) if tp is not None else None
+        self.num_heads = shard.num_heads if shard else config.num_heads
+        self.num_kv_heads = shard.num_kv_heads if shard else config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -122,28 +130,31 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = backend.forward(self.layer_id, q, k, v, kv_pool)  # (N, nh * hd)
-        return self.o_proj(out)
+        out = self.o_proj(out)  # (N, H); under TP a partial sum over this rank's heads
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = config.intermediate_size // (tp.size if tp is not None else 1)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (N, I) each
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)  # (N, H); under TP a partial sum over this rank's slice
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, h, cos, sin, backend, kv_pool) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, kv_pool)
@@ -152,19 +163,23 @@ class DecoderLayer(nn.Module):
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.tp_shard = TPShard.of(config, tp.rank, tp.size) if tp is not None else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        lm_rows = self.tp_shard.vocab_per_rank if self.tp_shard else config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, lm_rows, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(config)
 
     def tie_weights(self) -> None:
-        """Share lm_head with the embedding when the config says so; call again after `to_empty`, which unties."""
-        if self.config.tie_word_embeddings:
+        """Share lm_head with the embedding when the config says so; call again after `to_empty`, which unties.
+        Under TP the lm_head is a vocab-parallel shard of its own (the loader fills it from the embedding)."""
+        if self.config.tie_word_embeddings and self.tp is None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
@@ -192,4 +207,27 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(hidden=self.norm(h), aux_hidden=aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (rows, vocab)
+        logits = self.lm_head(hidden)  # (rows, vocab) or, under TP, (rows, vocab_per_rank)
+        if self.tp is not None:
+            logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]  # drop the padded rows
+        return logits.float()
+
+    def tp_slice(self, name: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a full checkpoint tensor for param `name` (part = q/k/v or gate/up index of a fused
+        projection, None otherwise). Only called under TP."""
+        shard, hd = self.tp_shard, self.config.head_dim
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            heads = shard.q_rows if part == 0 else shard.kv_rows
+            return tensor[heads.start * hd : heads.stop * hd]
+        if name.endswith("gate_up_proj.weight"):
+            return tensor[shard.mlp_rows]
+        if name.endswith("o_proj.weight"):
+            return tensor[:, shard.q_rows.start * hd : shard.q_rows.stop * hd]
+        if name.endswith("down_proj.weight"):
+            return tensor[:, shard.mlp_rows]
+        if name == "lm_head.weight":
+            rows = tensor[shard.vocab_rows]  # (<= vocab_per_rank, H): the last rank may hold padding
+            padded = rows.new_zeros(shard.vocab_per_rank, rows.shape[1])
+            padded[: rows.shape[0]] = rows
+            return padded
+        return tensor  # embeddings, norms: replicated

@@ -1,6 +1,9 @@
 """Build a model from a HF checkpoint folder (config.json + safetensors, sharded or not) or with dummy random
 weights. Maps HF parameter names onto the fused qkv_proj / gate_up_proj layout of `runtime.models.llama`.
 
+Under tensor parallelism every rank reads the full files and keeps its own slice (`model.tp_slice`); the projections
+of q/k/v and gate/up are sliced before they are fused.
+
 Knows file formats and name mapping; knows nothing about KV caches or serving.
 """
 
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.config import EngineConfig, ModelConfig
+from runtime.distributed import TPGroup
 from runtime.models import get_model_class
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,8 +44,10 @@ def resolve_dtype(engine_config: EngineConfig, model_config: ModelConfig) -> tor
     return _DTYPES.get(model_config.torch_dtype or "", torch.bfloat16)
 
 
-def load_model(model_path: str | None, model_config: ModelConfig, engine_config: EngineConfig) -> nn.Module:
-    """Return the model in eval mode on engine_config.device with resolved dtype."""
+def load_model(model_path: str | None, model_config: ModelConfig, engine_config: EngineConfig,
+               tp: TPGroup | None = None) -> nn.Module:
+    """Return the model in eval mode on engine_config.device with resolved dtype; tp: this rank's share of a
+    tensor-parallel model (Llama family only). Dummy weights under TP are random per shard, not slices of one model."""
     dtype = resolve_dtype(engine_config, model_config)
     device = torch.device(engine_config.device)
     load_format = engine_config.load_format
@@ -52,7 +58,7 @@ def load_model(model_path: str | None, model_config: ModelConfig, engine_config:
     cls = get_model_class(model_config.architecture)
     # Build on the meta device, then materialize directly on the target device: no full-size CPU copy of an 8B model.
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(model_config)
+        model = cls(model_config) if tp is None else cls(model_config, tp=tp)
     model = model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
@@ -76,6 +82,7 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
 
 def load_safetensors_weights(model: nn.Module, model_path: str, model_config: ModelConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    tp_slice = model.tp_slice if getattr(model, "tp", None) is not None else None
     loaded: set[str] = set()
     fused_parts: dict[str, dict[int, torch.Tensor]] = {}
     lm_head_seen = False
@@ -90,6 +97,8 @@ def load_safetensors_weights(model: nn.Module, model_path: str, model_config: Mo
             name, shard = _map_name(hf_name)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {model_config.architecture}")
+            if tp_slice is not None:
+                tensor = tp_slice(name, shard, tensor)
             if shard is None:
                 _copy(params[name], tensor, hf_name)
                 loaded.add(name)
@@ -101,7 +110,11 @@ def load_safetensors_weights(model: nn.Module, model_path: str, model_config: Mo
                 raise ValueError(f"checkpoint lacks parts of {name!r}: has shards {sorted(parts)}")
             _copy(params[name], torch.cat([parts[i] for i in range(num_shards)], dim=0), name)
             loaded.add(name)
-        if not model_config.tie_word_embeddings and not lm_head_seen:
+        if tp_slice is not None and (model_config.tie_word_embeddings or not lm_head_seen):
+            # The vocab-parallel lm_head is not the (replicated) embedding parameter: fill it with its slice.
+            params["lm_head.weight"].copy_(tp_slice("lm_head.weight", None, params["embed_tokens.weight"]))
+            loaded.add("lm_head.weight")
+        elif not model_config.tie_word_embeddings and not lm_head_seen:
             # Untied config but no lm_head in the files: HF falls back to the embedding too.
             params["lm_head.weight"].copy_(params["embed_tokens.weight"])
             loaded.add("lm_head.weight")
