@@ -1,7 +1,7 @@
 """Acceptance and speed per speculative algorithm through the real stack (three processes, gRPC Generate).
 
 For each configuration: start `tandem serve`, send held-out code prompts one at a time (batch 1, greedy unless
---temperature), and record mean accept length (tokens per target step, bonus included), draft acceptance rate and
+--temperature; the bundled model's committed heldout_prompts.jsonl as token ids when present), and record mean accept length (tokens per target step, bonus included), draft acceptance rate and
 output tokens/s. Prints JSON and a markdown table, and saves a PNG bar chart when matplotlib is available.
 
     python bench/accept.py --num-prompts 8 --max-new-tokens 64 --out bench/results/accept_cpu.json
@@ -32,11 +32,21 @@ CONFIGS = {
     "STANDALONE-chain": ["--speculative-algorithm", "STANDALONE"],
     "STANDALONE-tree": ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "4",
                         "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"],
+    # With no model flags EAGLE3 serves the bundled target's own head (tandem/args.py DEFAULT_EAGLE3).
+    "EAGLE3-chain": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+    "EAGLE3-tree": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5",
+                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
 }
 
 
-def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str]:
-    """Beginnings of held-out standard-library files (never seen in training)."""
+def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str] | list[list[int]]:
+    """Held-out code never seen in training: the model's heldout_prompts.jsonl (token ids) when it has one, else
+    windows of the standard-library files listed in heldout_files.txt."""
+    committed = model_dir / "heldout_prompts.jsonl"
+    if committed.exists():
+        with open(committed) as f:
+            return [json.loads(line)["prompt_ids"] for line in f if line.strip()][:n]
     listing = model_dir / "heldout_files.txt"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     names = listing.read_text().split() if listing.exists() else []
@@ -59,7 +69,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_config(name: str, flags: list[str], prompts: list[str], args) -> dict:
+def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]], args) -> dict:
     http, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
            "--log-level", "warning", *flags, *args.extra]
@@ -88,8 +98,9 @@ def run_config(name: str, flags: list[str], prompts: list[str], args) -> dict:
             "tokens_per_s": tokens / elapsed, "seconds": elapsed}
 
 
-def stub_generate(stub, prompt: str, max_new_tokens: int, args) -> pb.GenerateUsage:
-    request = pb.GenerateRequest(text=prompt, max_new_tokens=max_new_tokens, temperature=args.temperature,
+def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> pb.GenerateUsage:
+    source = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
+    request = pb.GenerateRequest(**source, max_new_tokens=max_new_tokens, temperature=args.temperature,
                                  ignore_eos=True)
     if args.temperature > 0:
         request.seed = 1

@@ -11,8 +11,9 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-tiny-code"
-DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-tiny-code-draft"
+DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
+DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-demo-code-draft"  # STANDALONE draft of DEFAULT_MODEL
+DEFAULT_EAGLE3 = REPO_ROOT / "models" / "tandem-demo-code-eagle3"  # EAGLE-3 head of DEFAULT_MODEL
 ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
 FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
@@ -68,8 +69,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head) or "
                         "NGRAM (n-gram trie); unset = plain decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
-                   default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled tiny "
-                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3")
+                   default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
+                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 default: the "
+                                      "bundled demo target's head, when --model-path is the bundled target)")
     g.add_argument("--speculative-token-map", default=None,
                    help="FR-Spec hot-token file (torch.load-able list of target ids) for EAGLE; ignored for EAGLE3")
     g.add_argument("--speculative-draft-load-format", default=None, choices=["auto", "safetensors", "dummy"],
@@ -96,6 +98,10 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     g.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")
     g.add_argument("--request-timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    g.add_argument("--enable-overlap-drafting", action="store_true",
+                   help="while the target verifies step i, let the draft pre-draft step i+1 from its own guess of "
+                        "the outcome (PEARL-style post-verify); used when the guess was right, dropped otherwise "
+                        "(lossless either way). Counted in usage.predraft_hits/predraft_misses")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="refuse longer prompts with 400 / INVALID_ARGUMENT (default: only the context bounds them)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
@@ -142,6 +148,9 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     algorithm = args.speculative_algorithm or "NONE"
     if algorithm == "NEXTN":  # SGLang's alias
         algorithm = "EAGLE"
+    bundled_target = Path(model_path(args)).resolve() == DEFAULT_MODEL.resolve()
+    if algorithm == "EAGLE3" and not args.speculative_draft_model_path and bundled_target:
+        args.speculative_draft_model_path = str(DEFAULT_EAGLE3)  # the bundled target's own head
     if algorithm in FEATURE_ALGORITHMS and not args.speculative_draft_model_path:
         raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path (the head)")
     if algorithm == "NONE":

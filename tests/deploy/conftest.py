@@ -39,7 +39,7 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The bundled model when its weights exist, else a random tiny Llama with the bundled tokenizer (vocab 2048)."""
+    """The bundled model when its weights exist, else a random tiny Llama with the bundled tokenizer (vocab 8192)."""
     if (DEFAULT_MODEL / "config.json").exists() and any(DEFAULT_MODEL.glob("*.safetensors")):
         return DEFAULT_MODEL
     if not (DEFAULT_MODEL / "tokenizer.json").exists():
@@ -48,7 +48,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("model") / "tandem-tiny-random"
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with the bundled tokenizer (cheap enough that a long stream takes a few seconds)."""
-    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("failover"), vocab_size=2048,
+    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("failover"), vocab_size=8192,
                                 max_position_embeddings=4096, num_hidden_layers=4))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (DEFAULT_MODEL / name).exists():

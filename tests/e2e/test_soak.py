@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("soak"), vocab_size=2048,
+    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("soak"), vocab_size=8192,
                                 max_position_embeddings=2048, num_hidden_layers=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (DEFAULT_MODEL / name).exists():

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def test_replicated_stack_behind_envoy(tmp_path):
-    model = Path(make_tiny_model("llama", tmp_path, vocab_size=2048, max_position_embeddings=2048))
+    model = Path(make_tiny_model("llama", tmp_path, vocab_size=8192, max_position_embeddings=2048))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (DEFAULT_MODEL / name).exists():
             shutil.copy(DEFAULT_MODEL / name, model / name)
