@@ -235,15 +235,15 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
 def markdown(result: dict) -> str:
     ar = next((r.get("tokens_per_s_b1") for r in result["engine"] if r["method"] == "AR"), None)
     temps = sorted({k for r in result["engine"] for k in r if k.startswith("tau_")})
-    head = "| method | " + " | ".join(f"τ (T={t[5:]})" for t in temps) + " | tok/s (batch 1, greedy) | vs AR |"
+    columns = ["method", *(f"τ (T={t[5:]})" for t in temps), "tok/s (batch 1, greedy)", "vs AR"]
     lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {result['max_new_tokens']} new "
-             f"tokens; tok/s over the first {result['speed_prompts']}.", "", head,
-             "|" + "---|" * (len(temps) + 3)]
+             f"tokens; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
+             "|" + "---|" * len(columns)]
     for r in result["engine"] + result["hf"]:
         tps = r.get("tokens_per_s_b1")
-        vs = f"{tps / ar:.2f}x" if tps and ar else "-"
-        taus = " | ".join(f"{r[t]:.2f}" if t in r else "-" for t in temps)
-        lines.append(f"| {r['method']} | {taus} | {tps if tps is not None else '-'} | {vs} |")
+        cells = [r["method"], *(f"{r[t]:.2f}" if t in r else "-" for t in temps),
+                 str(tps) if tps is not None else "-", f"{tps / ar:.2f}x" if tps and ar else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
