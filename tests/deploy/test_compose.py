@@ -125,7 +125,7 @@ def test_commands_are_accepted_by_the_tandem_parser(compose):
     assert "--target-address=dns:///target:30010" in gateway and "--draft-address=dns:///draft:30020" in gateway
     for name in ("target", "draft", "gateway"):  # all three agree on the speculative configuration
         assert commands[name].speculative_algorithm == "STANDALONE"
-        assert commands[name].model_path == "/models/tandem-tiny-code"
+        assert commands[name].model_path == "/models/tandem-demo-code"
 
 
 def test_dockerfile_has_base_image_args_and_tandem_entrypoint():
