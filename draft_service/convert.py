@@ -13,7 +13,7 @@ def propose_inputs(request: pb.ProposeRequest) -> list[ProposeInput]:
         if len(s.new_token_ids) > s.committed_len:
             raise ValueError(f"{s.seq_id}: {len(s.new_token_ids)} new tokens > committed_len {s.committed_len}")
         inputs.append(ProposeInput(s.seq_id, s.committed_len, list(s.new_token_ids), spec,
-                                   features=tensor_from_pb(s.hidden)))
+                                   features=tensor_from_pb(s.hidden), append_guess=s.append_guess))
     return inputs
 
 
@@ -24,4 +24,5 @@ def prefill_inputs(request: pb.DraftPrefillRequest) -> list[tuple[str, list[int]
 def propose_result(out: ProposeOutput) -> pb.ProposeResult:
     tree = pb.DraftTree(token_ids=out.tree.token_ids, parents=out.tree.parents)
     return pb.ProposeResult(seq_id=out.seq_id, status=int(out.status), tree=tree,
-                            base_committed_len=out.base_committed_len, error=out.error)
+                            base_committed_len=out.base_committed_len, error=out.error,
+                            guessed_token_ids=out.guessed_token_ids)

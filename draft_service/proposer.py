@@ -3,6 +3,10 @@
 A proposer keeps, per sequence, the committed tokens it has been told. Each Propose names the committed length and
 the newly committed tail; the proposer rolls back to where the tail starts (dropping its own speculative state) and
 answers STALE when it knows too little to do so. It never decides what is committed.
+
+A pre-draft (`append_guess`, overlapped drafting) extends the sequence by the gateway's guess of the accepted tokens
+plus the proposer's own greedy next token, and drafts from there; that hypothetical tail is ordinary speculative
+state, dropped by the next Propose's rollback when the guess was wrong.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class ProposeInput:
     # (len(new_token_ids), F) for feature drafts (EAGLE): row i is the target feature of the token just before
     # new_token_ids[i]. None for proposers that need only token ids.
     features: torch.Tensor | None = None
+    append_guess: bool = False  # pre-draft: append the proposer's greedy next token, draft from it
 
 
 @dataclass
@@ -47,6 +52,7 @@ class ProposeOutput:
     tree: DraftTree = field(default_factory=lambda: DraftTree([], []))
     base_committed_len: int = 0
     error: str = ""
+    guessed_token_ids: list[int] = field(default_factory=list)  # append_guess: the token appended (tree root)
 
 
 class Proposer(abc.ABC):
@@ -89,6 +95,7 @@ class Proposer(abc.ABC):
             if self.needs_features and inp.new_token_ids:
                 self._on_features(inp.seq_id, inp.features)
             ready.append(inp)
+        ready = self._append_guesses(ready, {o.seq_id: o for o in outputs})
         trees = self._draft(ready) if ready else []
         by_id = {o.seq_id: o for o in outputs}
         for inp, tree in zip(ready, trees):
@@ -111,7 +118,33 @@ class Proposer(abc.ABC):
         """(free, total) KV tokens; proposers without KV report zeros."""
         return 0, 0
 
+    def _append_guesses(self, ready: list[ProposeInput], by_id: dict[str, ProposeOutput]) -> list[ProposeInput]:
+        """Pre-drafts: append each one's guessed next token; drop (INVALID) those the proposer cannot guess for."""
+        guess_inputs = [inp for inp in ready if inp.append_guess]
+        if not guess_inputs:
+            return ready
+        guesses = self._guess_next(guess_inputs)
+        kept = []
+        for inp in ready:
+            if not inp.append_guess:
+                kept.append(inp)
+                continue
+            out = by_id[inp.seq_id]
+            token = guesses.get(inp.seq_id)
+            if token is None:
+                out.status, out.error = Status.INVALID, f"{self.algorithm} cannot pre-draft this sequence"
+                continue
+            self._tokens[inp.seq_id].append(token)
+            out.guessed_token_ids = [token]
+            out.base_committed_len = inp.committed_len + 1
+            kept.append(ProposeInput(inp.seq_id, inp.committed_len + 1, [*inp.new_token_ids, token], inp.spec))
+        return kept
+
     # Hooks for subclasses.
+    def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
+        """The proposer's greedy next token after each sequence's tokens (pre-drafts); absent = cannot guess."""
+        return {}
+
     def _on_prefill(self, seq_id: str) -> None:
         pass
 

@@ -53,14 +53,20 @@ class StandaloneProposer(Proposer):
             self.runner.truncate(inp.seq_id, inp.committed_len)
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
 
-    def _fits(self, inp: ProposeInput) -> bool:
+    def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
+        """Argmax of the draft after the guessed tail: its guess of the target's bonus token."""
+        active = [inp for inp in inputs if self._fits(inp, extra=1)]
+        return {seq_id: int(logits.argmax()) for seq_id, logits in self._catch_up(active).items()}
+
+    def _fits(self, inp: ProposeInput, extra: int = 0) -> bool:
         spec = inp.spec
         if spec.num_steps < 1 or spec.num_draft_tokens < 2:
             return False
-        if inp.committed_len + spec.num_steps >= self.max_context_len:
+        if inp.committed_len + extra + spec.num_steps >= self.max_context_len:
             return False
         kv_len = self.runner.kv_len(inp.seq_id)
-        need = inp.committed_len - kv_len + spec.num_steps * spec.topk + 2 * self.runner.block_manager.block_size
+        need = (inp.committed_len + extra - kv_len + spec.num_steps * spec.topk
+                + 2 * self.runner.block_manager.block_size)
         return need <= self.runner.num_free_tokens()
 
     def _catch_up(self, inputs: list[ProposeInput]) -> dict[str, torch.Tensor]:

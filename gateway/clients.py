@@ -73,6 +73,7 @@ class ProposeItem:
     topk: int
     num_draft_tokens: int
     features: FeatureRows | None = None  # one row per new token: the feature of the token before it
+    append_guess: bool = False  # pre-draft: new tokens end with a guess; the draft appends its own next token
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Proposal:
     tree_tokens: list[int]
     tree_parents: list[int]
     base_committed_len: int
+    guessed_token_ids: list[int] = field(default_factory=list)  # pre-draft: the token the draft appended
 
 
 STATUS_OK = pb.SEQ_STATUS_OK
@@ -186,11 +188,12 @@ class DraftClient(_Client):
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
-                          hidden=_features_to_pb(i.features), spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens))
+                          hidden=_features_to_pb(i.features), spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
+                          append_guess=i.append_guess)
             for i in items])
         response = await self._call(self.stub.Propose, request)
-        return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len)
-                for r in response.results]
+        return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len,
+                         list(r.guessed_token_ids)) for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)

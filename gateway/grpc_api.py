@@ -159,5 +159,6 @@ def _response(request_id: str, chunk: GenerateChunk) -> pb.GenerateResponse:
         response.usage.CopyFrom(pb.GenerateUsage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, verify_steps=u.verify_steps,
             accepted_draft_tokens=u.accepted_draft_tokens, proposed_draft_tokens=u.proposed_draft_tokens,
-            mean_accept_length=u.mean_accept_length))
+            mean_accept_length=u.mean_accept_length, predraft_hits=u.predraft_hits,
+            predraft_misses=u.predraft_misses))
     return response

@@ -103,6 +103,8 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "accepted_draft_tokens": usage.accepted_draft_tokens,
             "proposed_draft_tokens": usage.proposed_draft_tokens,
             "mean_accept_length": round(usage.mean_accept_length, 4),
+            "predraft_hits": usage.predraft_hits,
+            "predraft_misses": usage.predraft_misses,
         },
     }
 

@@ -6,6 +6,12 @@ per target pod, the pods of a kind called concurrently — and commit what the t
 to a (draft, target) pair by rendezvous hashing over the live pods. The gateway's committed token list is the source
 of truth: a pod that answers STALE, or a target pod that is lost, is re-synced from it (re-prefill on another pod);
 a sequence without a reachable draft pod decodes target-only.
+
+Overlapped drafting (`enable_overlap_drafting`, PEARL-style post-verify): while a step's Verify is in flight, each
+sequence's draft pod pre-drafts the next step from a guess of the outcome — the tree's first-child path accepted in
+full, then the draft's own greedy next token as the bonus. The next step uses that tree without a Propose round trip
+when the committed tokens equal the guess, and drops it otherwise (the draft rolls back on the next Propose).
+Verification alone decides what is committed, so the output is the same either way.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, P
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
-from gateway.sequence import Sequence
+from gateway.sequence import Predraft, Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
                            InvalidRequest, Overloaded, Unavailable)
 
@@ -59,6 +65,7 @@ class SchedulerConfig:
     pod_retry_s: float = 5.0  # how long a failed pod is left alone before it is tried again
     max_pod_failures: int = 3  # pod failures one request survives (each moves it to another pod)
     max_prompt_tokens: int | None = None  # longer prompts are refused (400); None = only the context bounds them
+    enable_overlap_drafting: bool = False  # pre-draft step i+1 during Verify(step i) (token-only drafts)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -352,14 +359,81 @@ class Scheduler:
         return seq.features.slice(start, len(seq.committed) - 1)
 
     async def _step(self, seqs: list[Sequence]) -> None:
-        trees = await self._propose(seqs)
+        overlap = self._overlap_enabled
+        if overlap:
+            trees = self._take_predrafts(seqs)
+            trees.update(await self._propose([s for s in seqs if s.seq_id not in trees]))
+        else:
+            trees = await self._propose(seqs)
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if self._route_target(seq) and not seq.needs_target_prefill:
                 groups[seq.target].append(seq)
             elif seq.target is None:
                 seq.fail(Unavailable("no target pod is reachable"))
-        await asyncio.gather(*(self._verify_on(pod, group, trees) for pod, group in groups.items()))
+        verifies = [self._verify_on(pod, group, trees) for pod, group in groups.items()]
+        if overlap:  # built before any await: the guesses extend the committed tokens as they are now
+            verifies.append(self._predraft(self._predraft_items(seqs, trees)))
+        await asyncio.gather(*verifies)
+
+    # ---------------------------------------------------------------- overlapped drafting
+    @property
+    def _overlap_enabled(self) -> bool:
+        # Feature drafts would need target features of the guessed tokens, which exist only after the verify.
+        return (self.config.enable_overlap_drafting and self.spec.enabled and not self.spec.needs_features
+                and len(self.drafts) > 0)
+
+    def _take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+        """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
+        trees = {}
+        for seq in seqs:
+            predraft, seq.predraft = seq.predraft, None
+            if predraft is None:
+                continue
+            if predraft.pod is seq.draft and not self.drafts.is_down(predraft.pod) and predraft.matches(seq.committed):
+                seq.predraft_hits += 1
+                seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
+                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents)
+            else:
+                seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
+        return trees
+
+    def _predraft_items(self, seqs: list[Sequence], trees) -> dict[object, list]:
+        """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
+        by_pod: dict[object, list] = defaultdict(list)
+        for seq in seqs:
+            tokens, parents = trees.get(seq.seq_id, ([], []))
+            if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
+                continue
+            path = _first_child_path(tokens, parents)
+            committed_len = len(seq.committed)
+            item = ProposeItem(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
+                               self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens, append_guess=True)
+            by_pod[seq.draft].append((seq, committed_len, path, item))
+        return by_pod
+
+    async def _predraft(self, by_pod) -> None:
+        await asyncio.gather(*(self._predraft_on(pod, entries) for pod, entries in by_pod.items()))
+
+    async def _predraft_on(self, pod: DraftClient, entries: list) -> None:
+        try:
+            proposals = await self.metrics.timed("draft", pod.propose([item for *_, item in entries]))
+        except (PodUnavailable, ValueError) as exc:
+            if isinstance(exc, PodUnavailable):
+                self.drafts.mark_down(pod, str(exc))
+            logger.warning("pre-draft on %s failed: %s", pod.address, exc)
+            for seq, *_ in entries:
+                seq.draft, seq.draft_synced_len = None, 0
+            return
+        for (seq, committed_len, path, item), proposal in zip(entries, proposals):
+            if proposal.status == STATUS_STALE:
+                seq.draft_synced_len = 0
+                continue
+            seq.draft_synced_len = committed_len  # the real committed prefix; the guessed tail is speculative
+            if proposal.status == STATUS_OK and proposal.guessed_token_ids and (
+                    proposal.base_committed_len == item.committed_len + len(proposal.guessed_token_ids)):
+                seq.predraft = Predraft(pod, proposal.base_committed_len, [*path, *proposal.guessed_token_ids],
+                                        proposal.tree_tokens, proposal.tree_parents)
 
     async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
         items = []
@@ -395,3 +469,15 @@ class Scheduler:
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
+
+
+def _first_child_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """The draft's own best guess of the accepted path: from the root, the first child in node order at every level
+    (drafts list a parent's children best first; a chain is its whole self)."""
+    path, node = [], -1
+    while True:
+        child = next((i for i, p in enumerate(parents) if p == node), None)
+        if child is None:
+            return path
+        path.append(tokens[child])
+        node = child

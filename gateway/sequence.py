@@ -4,11 +4,27 @@ incremental detokenization with stop strings, and speculative statistics.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from gateway.clients import SeqStop
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.features import FeatureLog
 from gateway.types import FinishReason, GenerateChunk, GenerateParams, Usage
+
+
+@dataclass
+class Predraft:
+    """A tree drafted for the next step during this step's verify, valid only if the committed tokens become exactly
+    committed[:base_len - len(tail)] + tail (the guessed accepted path plus the draft's guess of the bonus)."""
+
+    pod: object  # the DraftClient that holds the guessed tail
+    base_len: int
+    tail: list[int]
+    tree_tokens: list[int]
+    tree_parents: list[int]
+
+    def matches(self, committed: list[int]) -> bool:
+        return len(committed) == self.base_len and committed[self.base_len - len(self.tail):] == self.tail
 
 
 class Sequence:
@@ -32,6 +48,9 @@ class Sequence:
         self.verify_steps = 0
         self.accepted_draft_tokens = 0
         self.proposed_draft_tokens = 0
+        self.predraft: Predraft | None = None  # overlapped drafting: the tree pre-drafted for the next step
+        self.predraft_hits = 0
+        self.predraft_misses = 0
         self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
         self._stops = StopStringMatcher(params.stop) if params.detokenize and params.stop else None
 
@@ -47,7 +66,8 @@ class Sequence:
     def usage(self) -> Usage:
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_output,
                      verify_steps=self.verify_steps, accepted_draft_tokens=self.accepted_draft_tokens,
-                     proposed_draft_tokens=self.proposed_draft_tokens)
+                     proposed_draft_tokens=self.proposed_draft_tokens, predraft_hits=self.predraft_hits,
+                     predraft_misses=self.predraft_misses)
 
     def commit(self, token_ids: list[int], finish: FinishReason | None) -> None:
         """Append tokens the target accepted and stream them; apply stop strings."""

@@ -107,6 +107,8 @@ class Usage:
     verify_steps: int = 0  # target steps after prefill
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
+    predraft_hits: int = 0  # overlapped drafting: steps whose tree was pre-drafted during the previous verify
+    predraft_misses: int = 0  # pre-drafts dropped because the verify outcome differed from the guess
 
     @property
     def mean_accept_length(self) -> float:

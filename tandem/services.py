@@ -174,7 +174,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
                           spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
                                                             args.request_timeout,
-                                                            max_prompt_tokens=args.max_prompt_tokens))
+                                                            max_prompt_tokens=args.max_prompt_tokens,
+                                                            enable_overlap_drafting=args.enable_overlap_drafting))
     await scheduler.start()
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):

@@ -40,7 +40,8 @@ def read_config(path: Path) -> dict:
 @contextlib.asynccontextmanager
 async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path: Path | None = None,
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
-                      ngram_kwargs: dict | None = None, max_total_tokens: int = 8192):
+                      ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
+                      enable_overlap_drafting: bool = False):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
@@ -81,7 +82,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size,
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
-                          config=SchedulerConfig(max_running_requests=16, request_timeout_s=120))
+                          config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
+                                                 enable_overlap_drafting=enable_overlap_drafting))
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
     scheduler.test_proposer = proposer

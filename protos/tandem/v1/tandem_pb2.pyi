@@ -285,18 +285,20 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class ProposeSeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "hidden", "spec")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "hidden", "spec", "append_guess")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    APPEND_GUESS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     spec: SpecParams
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
+    append_guess: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., append_guess: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -305,18 +307,20 @@ class ProposeRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[ProposeSeq, _Mapping]]] = ...) -> None: ...
 
 class ProposeResult(_message.Message):
-    __slots__ = ("seq_id", "status", "tree", "base_committed_len", "error")
+    __slots__ = ("seq_id", "status", "tree", "base_committed_len", "error", "guessed_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     BASE_COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    GUESSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     tree: DraftTree
     base_committed_len: int
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., base_committed_len: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    guessed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., base_committed_len: _Optional[int] = ..., error: _Optional[str] = ..., guessed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")
@@ -357,20 +361,24 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_detokenize: _Optional[bool] = ...) -> None: ...
 
 class GenerateUsage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "verify_steps", "accepted_draft_tokens", "proposed_draft_tokens", "mean_accept_length")
+    __slots__ = ("prompt_tokens", "completion_tokens", "verify_steps", "accepted_draft_tokens", "proposed_draft_tokens", "mean_accept_length", "predraft_hits", "predraft_misses")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     verify_steps: int
     accepted_draft_tokens: int
     proposed_draft_tokens: int
     mean_accept_length: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., proposed_draft_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ...) -> None: ...
+    predraft_hits: int
+    predraft_misses: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., proposed_draft_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "matched_stop")

@@ -1,0 +1,67 @@
+"""Overlapped drafting (--enable-overlap-drafting): the draft pre-drafts step i+1 while step i is verified; greedy
+output is the same as without overlap and as HF `generate`, for STANDALONE chains and trees; a draft that is a close
+copy of the target gets pre-drafts used (hits), and a miss rolls the draft back correctly (the output proves it).
+"""
+from __future__ import annotations
+
+import pytest
+
+from draft_service.proposer import ProposeInput, SpecShape
+from tests.stack import generate_ids, local_stack, perturbed_copy
+from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+from tests.tiny_models import load_hf_model, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overlap")
+    target = make_tiny_model("llama", root / "target")
+    return target, perturbed_copy(target, root / "draft", noise=0.01), load_hf_model(target)
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+async def test_overlap_greedy_matches_hf_and_plain_loop_with_predraft_hits(pair, steps, topk, ndt):
+    target, draft, hf = pair
+    outputs = {}
+    for overlap in (False, True):
+        async with local_stack(target, algorithm="STANDALONE", draft_path=draft, num_steps=steps, topk=topk,
+                               num_draft_tokens=ndt, enable_overlap_drafting=overlap) as scheduler:
+            hits = misses = 0
+            outs = []
+            for i, prompt in enumerate(prompts(hf.config.vocab_size)):
+                got, usage, finish = await generate_ids(scheduler, prompt, 13 + 5 * i, request_id=f"o{i}")
+                assert got == hf_greedy(hf, prompt, 13 + 5 * i), f"overlap={overlap} prompt {i} diverged from HF"
+                outs.append(got)
+                hits, misses = hits + usage.predraft_hits, misses + usage.predraft_misses
+            await _assert_no_kv_leak(scheduler)
+        outputs[overlap] = outs
+        if overlap:
+            assert hits > 0, "a near-copy draft should guess the verify outcome right some of the time"
+            assert misses > 0, "noise should make some guesses wrong (the rollback path must run)"
+        else:
+            assert hits == misses == 0
+    assert outputs[True] == outputs[False]
+
+
+def test_predraft_then_mismatched_propose_rolls_back_to_committed(pair):
+    """A pre-draft extends the draft by a guessed tail; a real Propose with other tokens must give exactly the tree
+    a fresh draft gives from the real committed tokens."""
+    from draft_service.standalone import StandaloneProposer
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+
+    _, draft, _ = pair
+    cfg = EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048)
+    spec = SpecShape(3, 2, 6)
+    prompt = [5, 9, 33, 2, 71]
+    used, fresh = StandaloneProposer(ModelRunner(str(draft), cfg)), StandaloneProposer(ModelRunner(str(draft), cfg))
+    used.prefill("s", prompt)
+    [pre] = used.propose([ProposeInput("s", len(prompt) + 2, [40, 41], spec, append_guess=True)])
+    assert pre.status == 0 and len(pre.guessed_token_ids) == 1 and pre.base_committed_len == len(prompt) + 3
+    assert used.runner.kv_len("s") == len(prompt) + 3  # the guessed tail holds KV until the next Propose
+    real = [40, 50]
+    [got] = used.propose([ProposeInput("s", len(prompt) + 2, real, spec)])
+    fresh.prefill("s", prompt + real)
+    [want] = fresh.propose([ProposeInput("s", len(prompt) + 2, [], spec)])
+    assert (got.tree.token_ids, got.tree.parents) == (want.tree.token_ids, want.tree.parents)
+    assert used.runner.kv_len("s") == len(prompt) + 2
