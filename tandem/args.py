@@ -102,10 +102,6 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="while the target verifies step i, let the draft pre-draft step i+1 from its own guess of "
                         "the outcome (PEARL-style post-verify); used when the guess was right, dropped otherwise "
                         "(lossless either way). Counted in usage.predraft_hits/predraft_misses")
-    g.add_argument("--enable-overlap-drafting", action="store_true",
-                   help="while the target verifies step i, let the draft pre-draft step i+1 from its own guess of "
-                        "the outcome (PEARL-style post-verify); used when the guess was right, dropped otherwise "
-                        "(lossless either way). Counted in usage.predraft_hits/predraft_misses")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="refuse longer prompts with 400 / INVALID_ARGUMENT (default: only the context bounds them)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
