@@ -57,7 +57,6 @@ def model_dir(tiny: bool) -> Path:
 
 
 def generate(stub, prompt: list[int], max_new_tokens: int) -> tuple[int, float]:
-    start = time.perf_counter()
     first = None
     tokens = 0
     request = pb.GenerateRequest(token_ids=prompt, max_new_tokens=max_new_tokens, ignore_eos=True,

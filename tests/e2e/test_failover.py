@@ -6,12 +6,9 @@ exactly the text it has without failures.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -19,29 +16,19 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
-from tandem.args import DEFAULT_MODEL
-from tests.tiny_models import make_tiny_model
+from tests.e2e.helpers import free_port as _free_port
+from tests.e2e.helpers import tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 SPEC = ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "4"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with the bundled tokenizer (cheap enough that a long stream takes a few seconds)."""
-    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("failover"), vocab_size=8192,
-                                max_position_embeddings=4096, num_hidden_layers=4))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (DEFAULT_MODEL / name).exists():
-            shutil.copy(DEFAULT_MODEL / name, path / name)
-    return path
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("failover"), max_position_embeddings=4096,
+                                     num_hidden_layers=4)
 
 
 class Topology:

