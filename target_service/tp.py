@@ -58,8 +58,8 @@ class TPLauncher:
                                args=(self.model_path, cfg, rank, self.tp_size, self.master_addr, self.master_port))
             proc.start()
             self.procs.append(proc)
-        self.runner = build_rank_runner(self.model_path, self.engine_config, 0, self.tp_size, self.master_addr,
-                                        self.master_port)
+        cfg = replace(self.engine_config, device=rank_device(self.engine_config.device, 0))  # "cuda" -> "cuda:0"
+        self.runner = build_rank_runner(self.model_path, cfg, 0, self.tp_size, self.master_addr, self.master_port)
         return self.runner
 
     def stop(self, timeout_s: float = 10.0) -> None:

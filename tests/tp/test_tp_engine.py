@@ -23,11 +23,13 @@ MAX_NEW = 20
 SPECS = [(0, 1, 1), (3, 1, 4), (3, 2, 6)]
 
 
-def _engine_config() -> EngineConfig:
-    return EngineConfig(device="cpu", dtype="float32", max_total_tokens=4096)
+def _engine_config(device: str = "cpu", attention_backend: str = "torch") -> EngineConfig:
+    return EngineConfig(device=device, dtype="float32", max_total_tokens=4096, attention_backend=attention_backend,
+                        disable_cuda_graph=True)
 
 
 def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[list[int]]]:
+    # The draft runs unsharded next to rank 0 (on rank 0's device).
     """Greedy generation of every prompt under every spec through TargetEngine (+ a TP=1 STANDALONE draft)."""
     from draft_service.proposer import ProposeInput, SpecShape
     from draft_service.standalone import StandaloneProposer
@@ -36,7 +38,8 @@ def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[li
     from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
 
     engine = TargetEngine(runner)
-    proposer = StandaloneProposer(ModelRunner(draft_path, _engine_config())) if draft_path else None
+    draft_config = _engine_config(str(runner.device), runner.engine_config.attention_backend)
+    proposer = StandaloneProposer(ModelRunner(draft_path, draft_config)) if draft_path else None
     greedy = SamplingParams(temperature=0.0)
     results: dict[str, list[list[int]]] = {}
     for steps, topk, ndt in SPECS:
@@ -68,11 +71,13 @@ def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[li
     return results
 
 
-def _rank_main(rank: int, size: int, port: int, target: str, draft: str, out_path: str) -> None:
+def _rank_main(rank: int, size: int, port: int, target: str, draft: str, out_path: str, device: str = "cpu",
+               attention_backend: str = "torch") -> None:
     from runtime.distributed import destroy_tp, init_tp, run_worker
 
-    tp = init_tp(rank, size, "127.0.0.1", port, rank_device("cpu", rank))
-    runner = ModelRunner(target, _engine_config(), tp=tp)
+    device = rank_device(device, rank)
+    tp = init_tp(rank, size, "127.0.0.1", port, device)
+    runner = ModelRunner(target, _engine_config(device, attention_backend), tp=tp)
     try:
         if rank == 0:
             results = greedy_run(runner, draft)
@@ -95,10 +100,11 @@ def models(tmp_path_factory):
     return target, str(draft)
 
 
-def _spawn_tp2(target: str, draft: str, out: Path) -> None:
+def spawn_tp2(target: str, draft: str, out: Path, device: str = "cpu", attention_backend: str = "torch") -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, target, draft, str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, target, draft, str(out), device, attention_backend))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -117,7 +123,7 @@ def test_tp2_greedy_matches_tp1_and_hf_generate(models, tmp_path):
     target, draft = models
     tp1 = greedy_run(ModelRunner(target, _engine_config()), draft)
     out = tmp_path / "tp2.json"
-    _spawn_tp2(target, draft, out)
+    spawn_tp2(target, draft, out)
     tp2 = json.loads(out.read_text())
     hf = load_hf_model(target)
     expected = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
