@@ -379,9 +379,9 @@ class Scheduler:
     # ---------------------------------------------------------------- overlapped drafting
     @property
     def _overlap_enabled(self) -> bool:
-        # Feature drafts would need target features of the guessed tokens, which exist only after the verify.
-        return (self.config.enable_overlap_drafting and self.spec.enabled and not self.spec.needs_features
-                and len(self.drafts) > 0)
+        # Only STANDALONE guesses (draft_service Proposer._guess_next); feature drafts would also need the target
+        # features of the guessed tokens, which exist only after the verify.
+        return self.config.enable_overlap_drafting and self.spec.algorithm == "STANDALONE" and len(self.drafts) > 0
 
     def _take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
         """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
