@@ -14,6 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-demo-code-draft"  # STANDALONE draft of DEFAULT_MODEL
 DEFAULT_EAGLE3 = REPO_ROOT / "models" / "tandem-demo-code-eagle3"  # EAGLE-3 head of DEFAULT_MODEL
+DEFAULT_EAGLE = REPO_ROOT / "models" / "tandem-demo-code-eagle"  # EAGLE-2 head of DEFAULT_MODEL (CPU-trained)
 ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
 FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
@@ -70,8 +71,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "NGRAM (n-gram trie); unset = plain decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
                    default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
-                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 default: the "
-                                      "bundled demo target's head, when --model-path is the bundled target)")
+                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 and EAGLE "
+                                      "default: the bundled demo target's heads, when --model-path is the bundled "
+                                      "target)")
     g.add_argument("--speculative-token-map", default=None,
                    help="FR-Spec hot-token file (torch.load-able list of target ids) for EAGLE; ignored for EAGLE3")
     g.add_argument("--speculative-draft-load-format", default=None, choices=["auto", "safetensors", "dummy"],
@@ -149,8 +151,9 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     if algorithm == "NEXTN":  # SGLang's alias
         algorithm = "EAGLE"
     bundled_target = Path(model_path(args)).resolve() == DEFAULT_MODEL.resolve()
-    if algorithm == "EAGLE3" and not args.speculative_draft_model_path and bundled_target:
-        args.speculative_draft_model_path = str(DEFAULT_EAGLE3)  # the bundled target's own head
+    if algorithm in ("EAGLE3", "EAGLE") and not args.speculative_draft_model_path and bundled_target:
+        # the bundled target's own head
+        args.speculative_draft_model_path = str(DEFAULT_EAGLE3 if algorithm == "EAGLE3" else DEFAULT_EAGLE)
     if algorithm in FEATURE_ALGORITHMS and not args.speculative_draft_model_path:
         raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path (the head)")
     if algorithm == "NONE":

@@ -1,11 +1,12 @@
-"""The committed demo pair (models/tandem-demo-code + its STANDALONE draft and EAGLE-3 head) keeps its speculative
+"""The committed demo pair (models/tandem-demo-code + its STANDALONE draft, EAGLE-3 and EAGLE-2 heads) keeps its speculative
 acceptance on the committed held-out prompts, through the real step path (in-process gRPC target and draft services
 and the gateway scheduler, CPU, greedy).
 
 The floors sit at about 0.7x the measured mean accept length: far above 1, so a broken feature path (an off-by-one in
 the EAGLE token/feature shift, a draft fed the wrong tokens, a tree mask bug) fails, while float noise does not.
 Measured through this path (CPU fp32, these 40 prompts x 64 tokens): STANDALONE chain 2.72, EAGLE3 chain 2.75,
-EAGLE3 tree 5/4/16 3.61 (models/README.md has the H200 and engine-loop numbers).
+EAGLE3 tree 5/4/16 3.61; the CPU-trained EAGLE-2 head see below (models/README.md has the H200 and engine-loop
+numbers).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 
 import pytest
 
-from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE3, DEFAULT_MODEL
+from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_EAGLE3, DEFAULT_MODEL
 from tests.stack import generate_ids, local_stack
 
 PROMPTS = DEFAULT_MODEL / "heldout_prompts.jsonl"
@@ -36,6 +37,9 @@ def test_heldout_prompts_are_committed_and_small():
     pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, 1.9, id="standalone-chain"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 3, 1, 4, 1.9, id="eagle3-chain"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, 2.5, id="eagle3-tree"),
+    # The EAGLE-2 head is CPU-trained (12 min) and much weaker: 1.55 chain, 1.93 tree through this path (CPU).
+    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, 1.08, id="eagle-chain"),
+    pytest.param("EAGLE", DEFAULT_EAGLE, 5, 4, 16, 1.35, id="eagle-tree"),
 ])
 async def test_demo_pair_mean_accept_length_on_heldout_prompts(algorithm, draft, steps, topk, ndt, floor):
     prompts = _prompts()
@@ -57,6 +61,10 @@ def test_eagle3_with_no_model_flags_serves_the_bundled_head():
     args = build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE3"])
     assert resolve_spec(args)[0] == "EAGLE3"
     assert args.speculative_draft_model_path == str(DEFAULT_EAGLE3)
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE"])
+    assert resolve_spec(args)[0] == "EAGLE"
+    assert args.speculative_draft_model_path == str(DEFAULT_EAGLE)
+    assert (DEFAULT_EAGLE / "config.json").exists()
     args = build_parser().parse_args(["serve", "--speculative-algorithm", "STANDALONE"])
     resolve_spec(args)
     assert args.speculative_draft_model_path is None  # the draft service falls back to DEFAULT_DRAFT

@@ -184,14 +184,20 @@ def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assis
 
 def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, prompts: list[list[int]],
              device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
-             eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None) -> dict:
+             eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None,
+             only: list[str] | None = None) -> dict:
     """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
     speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
-    remaining measurements are skipped and listed under "skipped"."""
+    remaining measurements are skipped and listed under "skipped". `only`: measure just these method names."""
     from transformers import AutoModelForCausalLM
 
     bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path)
     methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None)
+    if only:
+        unknown = set(only) - {m.name for m in methods}
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; these exist: {[m.name for m in methods]}")
+        methods = [m for m in methods if m.name in only]
     rows, skipped = [], []
     late = lambda: deadline is not None and time.time() > deadline  # noqa: E731
     for m in methods:
@@ -266,13 +272,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="temperatures of the tau runs (none = only the batch-1 tokens/s runs)")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help='measure only these methods, by name (e.g. "EAGLE chain 3/1/4"); default: all that apply')
     p.add_argument("--out", default=None, help="write JSON here and the markdown table beside it (.md)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
-                      args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle)
+                      args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle,
+                      only=args.methods)
     table = markdown(result)
     print(table)
     if args.out:

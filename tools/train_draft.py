@@ -1,17 +1,21 @@
 #!/usr/bin/env python
 """Train a draft for ANY Llama-family target folder from a text corpus: a STANDALONE draft (a small Llama with the
-target's tokenizer and vocabulary) or an EAGLE-3 head (tools/train_eagle3.py, online: the target's features every
-step), on CPU or GPU, with a progress bar. Writes an HF folder the matching proposer loads, with training_info.json.
+target's tokenizer and vocabulary), an EAGLE-3 head or an EAGLE-2 head (tools/train_eagle3.py, online: the target's
+features every step), on CPU or GPU, with a progress bar. Writes an HF folder the matching proposer loads, with
+training_info.json.
 
     python -m tools.train_draft --kind standalone --target-model-path T --corpus src/ --output-dir D --minutes 10
     python -m tools.train_draft --kind eagle3 --target-model-path T --corpus corpus.txt --output-dir H --device cuda
+    python -m tools.train_draft --kind eagle --target-model-path T --corpus src/ --output-dir H --threads 2
 
-The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted); documents are
-joined with the tokenizer's eos token.
+The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted, less --exclude-glob
+patterns and the files of --exclude-files, e.g. a target's heldout_files.txt); documents are joined with the
+tokenizer's eos token.
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 import time
@@ -29,9 +33,24 @@ from tools.lm_train import LMTrainConfig, log, train_lm  # noqa: E402
 CORPUS_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json")
 
 
-def read_corpus(path: str, max_mb: float) -> list[str]:
+def read_corpus(path: str, max_mb: float, exclude_files: str | None = None,
+                exclude_globs: list[str] | None = None) -> list[str]:
+    """Documents of a file or folder. exclude_files: one path a line, relative to the folder, optionally under a label
+    directory (`stdlib/json/decoder.py` excludes `json/decoder.py`, as in a target's heldout_files.txt);
+    exclude_globs: fnmatch patterns of relative paths."""
     root = Path(path)
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in CORPUS_SUFFIXES)
+    skip: set[str] = set()
+    if exclude_files:
+        for line in Path(exclude_files).read_text().splitlines():
+            if line.strip():
+                skip |= {line.strip(), line.strip().partition("/")[2]}
+    if not root.is_file() and (skip or exclude_globs):
+        def kept(p: Path) -> bool:
+            rel = p.relative_to(root).as_posix()
+            return rel not in skip and not any(fnmatch.fnmatch(rel, g) for g in exclude_globs or [])
+
+        files = [p for p in files if kept(p)]
     docs, size = [], 0
     for f in files:
         try:
@@ -69,9 +88,20 @@ def standalone_config(target_config, args):
         pad_token_id=getattr(target_config, "pad_token_id", None), attn_implementation="sdpa")
 
 
+def machine(device: str) -> str:
+    """A short description of what trained: the GPU's name, or CPU with its core and torch thread counts."""
+    import os
+    import platform
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return (f"CPU ({platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+            f"{platform.platform()})")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=["standalone", "eagle3"], required=True, help="what to train")
+    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle"], required=True, help="what to train")
     p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
     p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
     p.add_argument("--output-dir", required=True, help="where the draft folder is written")
@@ -82,28 +112,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument("--max-corpus-mb", type=float, default=200, help="cap on corpus text read")
+    p.add_argument("--exclude-files", default=None,
+                   help="file listing corpus files to leave out (e.g. the target's heldout_files.txt)")
+    p.add_argument("--exclude-glob", action="append", default=[], help="fnmatch pattern of corpus paths to leave out")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16", help="saved weights")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     g = p.add_argument_group("STANDALONE draft shape")
     g.add_argument("--hidden-size", type=int, default=256, help="draft hidden size")
     g.add_argument("--num-layers", type=int, default=2, help="draft decoder layers")
     g.add_argument("--num-heads", type=int, default=4, help="draft attention heads")
     g.add_argument("--num-kv-heads", type=int, default=2, help="draft KV heads")
     g.add_argument("--intermediate-size", type=int, default=768, help="draft FFN width")
-    g = p.add_argument_group("EAGLE-3 head")
-    g.add_argument("--draft-vocab-size", type=int, default=None, help="head lm_head rows (default: full vocab)")
+    g = p.add_argument_group("EAGLE-3 / EAGLE-2 head")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="EAGLE-3: head lm_head rows; EAGLE-2: training softmax vocabulary only (default: full vocab)")
     g.add_argument("--head-intermediate-size", type=int, default=None, help="head FFN width (default: target's)")
     g.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll")
     g.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
-                   help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4])")
+                   help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4]; EAGLE-3 only)")
+    g.add_argument("--feature-loss-weight", type=float, default=1.0,
+                   help="EAGLE-2 only: weight of the smooth-L1 regression of the target's next feature")
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     start = time.time()
     tokenizer = AutoTokenizer.from_pretrained(args.target_model_path)
-    stream = encode(tokenizer, read_corpus(args.corpus, args.max_corpus_mb))
+    stream = encode(tokenizer, read_corpus(args.corpus, args.max_corpus_mb, args.exclude_files, args.exclude_glob))
     log(f"corpus: {stream.numel() / 1e6:.2f} M tokens ({time.time() - start:.0f}s)")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,17 +160,20 @@ def main(argv: list[str] | None = None) -> None:
         add_legacy_config_keys(out)
         tokenizer.save_pretrained(out)
     else:
-        from tools.train_eagle3 import TrainConfig, train_eagle3_online
+        from tools.train_eagle3 import TrainConfig, train_eagle3_online, train_eagle_online
 
         target = AutoModelForCausalLM.from_pretrained(args.target_model_path, dtype=torch.float32).to(device)
         cfg = TrainConfig(steps=args.steps or 10**9, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                           ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
-                          aux_layer_ids=args.aux_layer_ids, intermediate_size=args.head_intermediate_size,
+                          aux_layer_ids=args.aux_layer_ids if args.kind == "eagle3" else None,
+                          intermediate_size=args.head_intermediate_size, feature_loss_weight=args.feature_loss_weight,
                           time_budget_s=args.minutes * 60, bf16_autocast=bf16, log_every=20, progress_bar=True,
                           save_dtype=args.save_dtype, seed=args.seed, device=device)
-        info = train_eagle3_online(target, stream, str(out), cfg)
+        train = train_eagle3_online if args.kind == "eagle3" else train_eagle_online
+        info = train(target, stream, str(out), cfg, args.kind)
     info = dict(kind=args.kind, target=str(args.target_model_path), corpus=str(args.corpus),
-                corpus_tokens=stream.numel(), device=device, training=info, total_wall_time_s=time.time() - start,
+                corpus_tokens=stream.numel(), tokens_seen=info["steps"] * args.batch_size * args.seq_len,
+                device=device, machine=machine(device), training=info, total_wall_time_s=time.time() - start,
                 command="python -m tools.train_draft " + " ".join(sys.argv[1:] if argv is None else argv))
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
     log(f"wrote {out}")

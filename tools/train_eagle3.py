@@ -12,6 +12,10 @@ random windows of a token stream every step (large corpora, GPU, bf16 autocast; 
 layer i, which is what the engine captures for i < num_layers).
 
     python -m tools.train_eagle3 --target-model-path T --corpus corpus.txt --output-dir out [--steps 2000]
+
+The EAGLE-2 head (`LlamaForCausalLMEagle`, runtime/models/eagle.py) shares this machinery: `train_eagle_online` takes
+the target's final-norm hidden states as features and unrolls the head's own output as the next feature
+(`python -m tools.train_draft --kind eagle ...`).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class TrainConfig:
     seq_len: int = 128  # corpus chunk length (tokens)
     ttt_steps: int = 3  # unrolled draft steps per position
     ttt_decay: float = 0.8  # loss weight of step j: decay ** j
+    feature_loss_weight: float = 1.0  # EAGLE-2 only: weight of the smooth-L1 regression of the target's feature
     draft_vocab_size: int | None = None  # None = the whole target vocabulary; else the most frequent labels
     aux_layer_ids: list[int] | None = None  # None = SGLang's default capture [2, L//2, L-3]
     intermediate_size: int | None = None  # the head's FFN width; None = the target's
@@ -94,42 +99,102 @@ class Eagle3TrainHead(nn.Module):
     def unrolled_logits(self, embeds: torch.Tensor, aux: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
         """embeds (B, T+num_steps, H): embeddings of t_1.. (shifted by one); aux (B, T, 3H_t): target aux at 0..T-1.
         Returns per step j (B, T, draft_vocab): the head's logits at base position p after j own steps."""
-        b, t, _ = aux.shape
+        t = aux.shape[1]
         mid, attn = self.midlayer, self.midlayer.self_attn
         h = self.fc(aux)  # (B, T, H)
         keys, values, out = [], [], []
-        causal = torch.ones(t, t, dtype=torch.bool, device=aux.device).tril()
         for j in range(num_steps):
             x = torch.cat([mid.input_layernorm(embeds[:, j:j + t]), mid.hidden_norm(h)], dim=-1)  # (B, T, 2H)
-            pos = torch.arange(t, device=aux.device) + j  # step j of base p sits at position p + j
-            q = self._rope(attn.q_proj(x).view(b, t, self.nh, self.hd), pos)
-            k = self._rope(attn.k_proj(x).view(b, t, self.kvh, self.hd), pos)
-            v = attn.v_proj(x).view(b, t, self.kvh, self.hd)
-            rep = self.nh // self.kvh
-            keys.append(k.repeat_interleave(rep, 2))
-            values.append(v.repeat_interleave(rep, 2))
-            # Step 0's keys are the committed prefix (causal); steps 1..j add one key each on the diagonal: the
-            # query of base p sees its own earlier draft steps only.
-            scores = [torch.einsum("bqhd,bkhd->bhqk", q, keys[0]).masked_fill(~causal, -math.inf)]
-            scores += [torch.einsum("bqhd,bqhd->bhq", q, k_i).unsqueeze(-1) for k_i in keys[1:]]
-            probs = torch.cat(scores, dim=-1).div(math.sqrt(self.hd)).softmax(-1)  # (B, nh, T, T + j)
-            ctx = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], values[0])
-            for i, v_i in enumerate(values[1:]):
-                ctx = ctx + probs[..., t + i].permute(0, 2, 1).unsqueeze(-1) * v_i
-            h = h + attn.o_proj(ctx.reshape(b, t, -1))
+            h = h + _ttt_attention(attn, x, j, keys, values, self.nh, self.kvh, self.hd, self.rope_theta)
             y = mid.post_attention_layernorm(h)
             h = h + mid.mlp.down_proj(F.silu(mid.mlp.gate_proj(y)) * mid.mlp.up_proj(y))
             out.append(self.lm_head(self.norm(h)))
         return out
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        hd = self.hd
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
-        ang = pos[:, None].float() * inv
-        emb = torch.cat([ang, ang], -1)
-        cos, sin = emb.cos()[None, :, None], emb.sin()[None, :, None]
-        rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
-        return x * cos + rot * sin
+
+class EagleTrainHead(nn.Module):
+    """The EAGLE-2 head (`LlamaForCausalLMEagle`) as a batched full-sequence module with published parameter names:
+    fc.{weight,bias} over cat(embed(t_{p+1}), f_p), then Llama decoder layers, layer 0 without input_layernorm, no
+    final norm. The output is the next step's feature and the input of the TARGET's lm_head, which is held here as a
+    frozen, non-persistent buffer (rows of the training softmax vocabulary) and never saved (training only)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 rope_theta: float, lm_head: torch.Tensor, num_layers: int = 1) -> None:
+        super().__init__()
+        self.nh, self.kvh, self.hd, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.layers = nn.ModuleList()
+        for i in range(num_layers):
+            layer = _Namespace()
+            if i > 0:  # EAGLE-2: the fc output enters layer 0 un-normed
+                layer.input_layernorm = _RMSNorm(hidden, eps)
+            attn = layer.self_attn = _Namespace()
+            attn.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+            attn.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+            attn.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+            attn.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+            layer.post_attention_layernorm = _RMSNorm(hidden, eps)
+            mlp = layer.mlp = _Namespace()
+            mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+            mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
+            mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
+            self.layers.append(layer)
+        self.register_buffer("lm_head_weight", lm_head.detach().clone(), persistent=False)
+
+    def unrolled_hidden(self, embeds: torch.Tensor, feats: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        """embeds (B, T+num_steps, H): embeddings of t_1.. (shifted by one); feats (B, T, H): the target's final-norm
+        hidden states at 0..T-1. Returns per step j (B, T, H): the head's output at base position p after j own steps
+        (step j >= 1 is fed the head's own output of step j-1 as its feature, as at serve time)."""
+        t = feats.shape[1]
+        f, out = feats, []
+        kv = [([], []) for _ in self.layers]
+        for j in range(num_steps):
+            h = self.fc(torch.cat([embeds[:, j:j + t], f], dim=-1))  # (B, T, H)
+            for layer, (keys, values) in zip(self.layers, kv):
+                x = layer.input_layernorm(h) if hasattr(layer, "input_layernorm") else h
+                h = h + _ttt_attention(layer.self_attn, x, j, keys, values, self.nh, self.kvh, self.hd,
+                                       self.rope_theta)
+                y = layer.post_attention_layernorm(h)
+                h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
+            out.append(h)
+            f = h
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
+
+
+def _ttt_attention(attn: nn.Module, x: torch.Tensor, j: int, keys: list, values: list, nh: int, kvh: int, hd: int,
+                   rope_theta: float) -> torch.Tensor:
+    """Attention of unroll step j (x: (B, T, in) at base positions p, sitting at position p + j) for both head kinds:
+    step 0's keys are the committed prefix (causal); steps 1..j add one key each on the diagonal, so the query of base
+    p sees its own earlier draft steps only, as tree drafting does. Appends this step's k/v to keys/values; returns
+    o_proj(context) (B, T, H)."""
+    b, t, _ = x.shape
+    pos = torch.arange(t, device=x.device) + j
+    q = _rope(attn.q_proj(x).view(b, t, nh, hd), pos, rope_theta)
+    k = _rope(attn.k_proj(x).view(b, t, kvh, hd), pos, rope_theta)
+    v = attn.v_proj(x).view(b, t, kvh, hd)
+    keys.append(k.repeat_interleave(nh // kvh, 2))
+    values.append(v.repeat_interleave(nh // kvh, 2))
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    scores = [torch.einsum("bqhd,bkhd->bhqk", q, keys[0]).masked_fill(~causal, -math.inf)]
+    scores += [torch.einsum("bqhd,bqhd->bhq", q, k_i).unsqueeze(-1) for k_i in keys[1:]]
+    probs = torch.cat(scores, dim=-1).div(math.sqrt(hd)).softmax(-1)  # (B, nh, T, T + j)
+    ctx = torch.einsum("bhqk,bkhd->bqhd", probs[..., :t], values[0])
+    for i, v_i in enumerate(values[1:]):
+        ctx = ctx + probs[..., t + i].permute(0, 2, 1).unsqueeze(-1) * v_i
+    return attn.o_proj(ctx.reshape(b, t, -1))
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, rope_theta: float) -> torch.Tensor:
+    hd = x.shape[-1]
+    inv = 1.0 / (rope_theta ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+    ang = pos[:, None].float() * inv
+    emb = torch.cat([ang, ang], -1)
+    cos, sin = emb.cos()[None, :, None], emb.sin()[None, :, None]
+    rot = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    return x * cos + rot * sin
 
 
 @dataclass
@@ -198,13 +263,28 @@ def train_eagle3_online(target: nn.Module, stream: torch.Tensor, output_dir: str
                         name: str = "eagle3") -> dict:
     """Train on random seq_len windows of a token stream (int tensor), running the HF causal-LM `target` (already
     on config.device) for features and labels at every step; writes the published checkpoint, returns stats."""
+    return _train_online("eagle3", target, stream, output_dir, config, name)
+
+
+def train_eagle_online(target: nn.Module, stream: torch.Tensor, output_dir: str, config: TrainConfig,
+                       name: str = "eagle") -> dict:
+    """The EAGLE-2 head (`LlamaForCausalLMEagle`) by the same online machinery: features are the target's final-norm
+    hidden states (HF's last hidden_states entry, what the engine hands EAGLE), labels its greedy next tokens, the
+    unroll feeds the head's own output back as the next feature. `draft_vocab_size` here only narrows the training
+    softmax to the most frequent tokens (cheaper on CPU); the served head scores the target's whole vocabulary.
+    Writes the published EAGLE-2 layout (runtime/models/eagle.py); returns stats."""
+    return _train_online("eagle", target, stream, output_dir, config, name)
+
+
+def _train_online(kind: str, target: nn.Module, stream: torch.Tensor, output_dir: str, config: TrainConfig,
+                  name: str) -> dict:
     from runtime.config import ModelConfig
     from runtime.models.eagle3 import eagle3_capture_layers
 
     torch.manual_seed(config.seed)
     tcfg = ModelConfig.from_hf_config(target.config, eos_token_ids=[])
-    capture = eagle3_capture_layers(tcfg.num_layers, config.aux_layer_ids)
-    if max(capture) >= tcfg.num_layers:  # HF's last hidden_states entry is after the final norm, not a layer input
+    capture = eagle3_capture_layers(tcfg.num_layers, config.aux_layer_ids) if kind == "eagle3" else None
+    if capture and max(capture) >= tcfg.num_layers:  # HF's last hidden_states entry is after the final norm
         raise ValueError(f"online EAGLE-3 training captures layer inputs < {tcfg.num_layers}, got {capture}")
     device = torch.device(config.device)
     target.eval().requires_grad_(False)
@@ -214,9 +294,12 @@ def train_eagle3_online(target: nn.Module, stream: torch.Tensor, output_dir: str
     # distributed like the tokens themselves).
     counts = torch.bincount(stream.long().flatten(), minlength=tcfg.vocab_size)[: tcfg.vocab_size]
     hot, to_draft = _draft_vocab(counts, config.draft_vocab_size or tcfg.vocab_size)
-    model = build_head(tcfg, hot.numel(), config)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(head[hot.to(head.device)])
+    if kind == "eagle3":
+        model, loss_fn = build_head(tcfg, hot.numel(), config), ttt_loss
+        with torch.no_grad():
+            model.lm_head.weight.copy_(head[hot.to(head.device)])
+    else:
+        model, loss_fn = build_eagle_head(tcfg, head[hot.to(head.device)], config), eagle_ttt_loss
     from tools.lm_train import StreamSampler
 
     sampler = StreamSampler(stream, config.seq_len - 1, config.device, config.seed)
@@ -226,12 +309,17 @@ def train_eagle3_online(target: nn.Module, stream: torch.Tensor, output_dir: str
         tokens = sampler.sample(config.batch_size)  # (B, seq_len)
         with torch.no_grad(), autocast:
             out = target(input_ids=tokens, output_hidden_states=True)
+        if capture is None:  # EAGLE-2: the final-norm hidden state of every position (B, L, H)
+            return tokens, out.hidden_states[-1].float(), out.logits.argmax(-1)
         t = tokens.shape[1] - config.ttt_steps
         aux = torch.cat([out.hidden_states[i][:, :t] for i in capture], dim=-1).float()  # (B, t, 3H)
         return tokens, aux, out.logits.argmax(-1)
 
-    stats = _train_loop(model, embed, to_draft.to(device), next_batch, config, name)
-    save_eagle3(model, output_dir, tcfg, hot, config)
+    stats = _train_loop(model, embed, to_draft.to(device), next_batch, config, name, loss_fn)
+    if kind == "eagle3":
+        save_eagle3(model, output_dir, tcfg, hot, config)
+    else:
+        save_eagle(model, output_dir, tcfg, config)
     return stats
 
 
@@ -239,6 +327,36 @@ def build_head(tcfg, draft_vocab_size: int, config: TrainConfig) -> Eagle3TrainH
     return Eagle3TrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim,
                            config.intermediate_size or tcfg.intermediate_size, draft_vocab_size, tcfg.rms_norm_eps,
                            tcfg.rope_theta).to(config.device)
+
+
+def build_eagle_head(tcfg, lm_head: torch.Tensor, config: TrainConfig) -> EagleTrainHead:
+    return EagleTrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim,
+                          config.intermediate_size or tcfg.intermediate_size, tcfg.rms_norm_eps, tcfg.rope_theta,
+                          lm_head).to(config.device)
+
+
+def eagle_ttt_loss(model: EagleTrainHead, embed: torch.Tensor, tokens: torch.Tensor, feats: torch.Tensor,
+                   labels: torch.Tensor, config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2 counterpart of ttt_loss: tokens (B, L), feats (B, L, H) the target's final-norm hidden states, labels
+    (B, L) training-vocabulary ids of its argmax (-100 outside). Step j at base p predicts labels[p+1+j] through the
+    target's lm_head and, with weight feature_loss_weight, regresses (smooth L1) the target's own feature f_{p+1+j}
+    (EAGLE's feature loss). Returns (decay-weighted loss, step-0 accuracy)."""
+    n = config.ttt_steps
+    t = tokens.shape[1] - n
+    embeds = F.pad(embed[tokens[:, 1:]], (0, 0, 0, 1))  # (B, L, H): t_1.., padded
+    hiddens = model.unrolled_hidden(embeds, feats[:, :t], n)
+    loss, logits0 = 0.0, None
+    for j, h in enumerate(hiddens):
+        lg = model.logits(h)
+        logits0 = lg if j == 0 else logits0
+        step = F.cross_entropy(lg.float().flatten(0, 1), labels[:, 1 + j:1 + j + t].flatten())
+        if config.feature_loss_weight:
+            step = step + config.feature_loss_weight * F.smooth_l1_loss(h.float(), feats[:, 1 + j:1 + j + t])
+        loss = loss + config.ttt_decay**j * step
+    with torch.no_grad():
+        want = labels[:, 1:1 + t]
+        acc = (logits0.argmax(-1) == want)[want >= 0].float().mean()
+    return loss, acc
 
 
 def ttt_loss(model: Eagle3TrainHead, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor,
@@ -269,8 +387,8 @@ def _draft_vocab(counts: torch.Tensor, n_draft: int) -> tuple[torch.Tensor, torc
     return hot, to_draft
 
 
-def _train_loop(model: Eagle3TrainHead, embed: torch.Tensor, to_draft: torch.Tensor, next_batch, config: TrainConfig,
-                name: str = "eagle3") -> dict:
+def _train_loop(model: nn.Module, embed: torch.Tensor, to_draft: torch.Tensor, next_batch, config: TrainConfig,
+                name: str = "eagle3", loss_fn=ttt_loss) -> dict:
     """AdamW, 20-step warm-up then linear decay to 10% over steps (or the time budget, whichever ends first)."""
     import time
 
@@ -290,7 +408,7 @@ def _train_loop(model: Eagle3TrainHead, embed: torch.Tensor, to_draft: torch.Ten
             group["lr"] = config.lr * min(1.0, (step + 1) / 20) * max(0.1, 1 - frac)
         tokens, aux, labels = next_batch(step)
         with autocast:
-            loss, acc = ttt_loss(model, embed, tokens, aux, to_draft[labels], config)
+            loss, acc = loss_fn(model, embed, tokens, aux, to_draft[labels], config)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -340,6 +458,29 @@ def save_eagle3(model: Eagle3TrainHead, output_dir: str, tcfg, hot: torch.Tensor
         "tie_word_embeddings": False, "torch_dtype": config.save_dtype, "bias": False,
         "eagle_config": eagle_config,
         "training": {k: v for k, v in asdict(config).items() if k not in ("device", "log_every", "progress_bar")},
+    }
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def save_eagle(model: EagleTrainHead, output_dir: str, tcfg, config: TrainConfig) -> None:
+    """Write config.json + model.safetensors in the published EAGLE-2 layout: fc.{weight,bias}, layers.N.* (layer 0
+    without input_layernorm), no norm, no lm_head or embed_tokens (the loader borrows the target's)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(output_dir, exist_ok=True)
+    dtype = getattr(torch, config.save_dtype)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
+        "hidden_size": tcfg.hidden_size, "intermediate_size": model.layers[0].mlp.gate_proj.out_features,
+        "num_attention_heads": tcfg.num_heads, "num_key_value_heads": tcfg.num_kv_heads, "head_dim": tcfg.head_dim,
+        "num_hidden_layers": len(model.layers), "rms_norm_eps": tcfg.rms_norm_eps, "rope_theta": tcfg.rope_theta,
+        "max_position_embeddings": tcfg.max_position_embeddings, "vocab_size": tcfg.vocab_size,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": config.save_dtype,
+        "training": {k: v for k, v in asdict(config).items()
+                     if k not in ("device", "log_every", "progress_bar", "aux_layer_ids")},
     }
     with open(os.path.join(output_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
