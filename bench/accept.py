@@ -37,6 +37,11 @@ CONFIGS = {
                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
     "EAGLE3-tree": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5",
                     "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
+    # EAGLE (EAGLE-2) serves the bundled target's EAGLE-2 head (tandem/args.py DEFAULT_EAGLE) with no model flags.
+    "EAGLE-chain": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+    "EAGLE-tree": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "5",
+                   "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
 }
 
 
