@@ -10,6 +10,7 @@ import grpc
 
 from draft_service import convert
 from draft_service.proposer import Proposer
+from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
@@ -51,6 +52,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             memory=self._memory(), timings=pb.StepTimings(total_ms=(time.perf_counter() - start) * 1e3))
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        return await self._propose(request, context)
+
+    async def ProposeStream(self, request_iterator, context):
+        """Propose over the gateway's persistent stream: one response per request, same handler as Propose."""
+        async for response in serve_step_stream(request_iterator, context, self._propose, "Propose", self.metrics):
+            yield response  # an async generator handler: grpc.aio streams what it yields
+
+    async def _propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         start = time.perf_counter()
         try:
             inputs = convert.propose_inputs(request)

@@ -15,7 +15,7 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-demo-code-draft"  # STANDALONE draft of DEFAULT_MODEL
 DEFAULT_EAGLE3 = REPO_ROOT / "models" / "tandem-demo-code-eagle3"  # EAGLE-3 head of DEFAULT_MODEL
 DEFAULT_EAGLE = REPO_ROOT / "models" / "tandem-demo-code-eagle"  # EAGLE-2 head of DEFAULT_MODEL (CPU-trained)
-ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN", "SYNTHETIC")
 FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
@@ -88,6 +88,17 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="NGRAM: BFS (recency) or PROB (frequency) tree construction")
     g.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18, help="NGRAM: max trie depth")
     g.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie node capacity")
+    # SYNTHETIC (draft_service/synthetic.py): synthetic acceptance, benchmarks only.
+    g.add_argument("--synthetic-oracle", default=None,
+                   help="SYNTHETIC (synthetic acceptance, benchmarks only): JSON of each prompt's target greedy "
+                        "continuation, written by bench/speculative.py's reference AR run")
+    g.add_argument("--synthetic-accept-rate", type=float, default=0.8,
+                   help="SYNTHETIC: probability that each oracle token is kept in the draft (expected accept length "
+                        "of depth D: sum_{i=0..D} a^i)")
+    g.add_argument("--synthetic-head-hidden", type=int, default=None,
+                   help="SYNTHETIC: hidden size of the random EAGLE-3-sized head whose compute is spent per step "
+                        "(default: the target's; 0 = no head compute)")
+    g.add_argument("--synthetic-draft-vocab", type=int, default=32000, help="SYNTHETIC: lm_head rows of that head")
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +115,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="while the target verifies step i, let the draft pre-draft step i+1 from its own guess of "
                         "the outcome (PEARL-style post-verify); used when the guess was right, dropped otherwise "
                         "(lossless either way). Counted in usage.predraft_hits/predraft_misses")
+    g.add_argument("--disable-step-streams", action="store_true",
+                   help="send every Verify/Propose step as a unary RPC instead of over one persistent bidirectional "
+                        "stream per pod (streams are the default: about half the per-step RPC overhead)")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="refuse longer prompts with 400 / INVALID_ARGUMENT (default: only the context bounds them)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
@@ -166,7 +180,8 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
 
     try:
         steps, topk, ndt = auto_speculative_params(
-            algorithm, read_architecture(model_path(args)), args.speculative_num_steps,
+            "EAGLE3" if algorithm == "SYNTHETIC" else algorithm,  # SYNTHETIC mimics an EAGLE-3 head's shapes
+            read_architecture(model_path(args)), args.speculative_num_steps,
             args.speculative_eagle_topk, args.speculative_num_draft_tokens,
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
     except ValueError as exc:

@@ -108,6 +108,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--draft-address", ",".join(draft_addrs)]
     if getattr(args, "enable_overlap_drafting", False):
         gateway += ["--enable-overlap-drafting"]
+    if getattr(args, "disable_step_streams", False):
+        gateway += ["--disable-step-streams"]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:

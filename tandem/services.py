@@ -121,7 +121,28 @@ def build_proposer(args: argparse.Namespace):
         path = str(args.speculative_draft_model_path)
         return EagleProposer(model_path(args), path, _engine_config(args, args.speculative_draft_load_format),
                              algorithm, token_map=args.speculative_token_map), path
+    if algorithm == "SYNTHETIC":
+        return build_synthetic(args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
+
+
+def build_synthetic(args: argparse.Namespace):
+    """SYNTHETIC proposer (synthetic acceptance, benchmarks only) with its random EAGLE-3-sized head."""
+    from draft_service.synthetic import Oracle, SyntheticHead, SyntheticProposer
+    from runtime.config import ModelConfig
+
+    target_config = ModelConfig.from_pretrained(model_path(args))
+    try:
+        oracle = Oracle.load(args.synthetic_oracle) if args.synthetic_oracle else None
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if oracle is None:
+        logger.warning("SYNTHETIC without --synthetic-oracle: every draft token is wrong (accept length 1)")
+    head = None
+    if args.synthetic_head_hidden != 0:
+        head = SyntheticHead(target_config, _engine_config(args, "dummy"), args.synthetic_head_hidden,
+                             args.synthetic_draft_vocab)
+    return SyntheticProposer(args.synthetic_accept_rate, target_config.vocab_size, oracle, args.random_seed, head)
 
 
 async def run_draft(args: argparse.Namespace) -> None:
@@ -159,8 +180,10 @@ async def run_gateway(args: argparse.Namespace) -> None:
     path = model_path(args)
     creds = _channel_credentials(args)
     target_specs, draft_specs = _addresses(args.target_address), _addresses(args.draft_address)
-    targets = [TargetClient(a, credentials=creds) for a in await _resolve_all(target_specs, args.startup_timeout)]
-    drafts = [DraftClient(a, credentials=creds)
+    streams = not args.disable_step_streams
+    targets = [TargetClient(a, credentials=creds, step_streams=streams)
+               for a in await _resolve_all(target_specs, args.startup_timeout)]
+    drafts = [DraftClient(a, credentials=creds, step_streams=streams)
               for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
@@ -180,7 +203,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):
         refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval,
-                                                      creds))
+                                                      creds, streams))
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
@@ -256,7 +279,7 @@ async def _resolve_all(specs: list[str], deadline_s: float) -> list[str]:
 
 
 async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float,
-                        credentials=None) -> None:
+                        credentials=None, step_streams: bool = True) -> None:
     """Follow scaling: re-resolve dns:/// names and let the pod pools add or retire pods."""
     from gateway.clients import DraftClient, TargetClient
     from gateway.pods import resolve
@@ -264,9 +287,9 @@ async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[st
     while True:
         await asyncio.sleep(interval_s)
         for specs, pool, factory in ((target_specs, scheduler.targets,
-                                      lambda a: TargetClient(a, credentials=credentials)),
+                                      lambda a: TargetClient(a, credentials=credentials, step_streams=step_streams)),
                                      (draft_specs, scheduler.drafts,
-                                      lambda a: DraftClient(a, credentials=credentials))):
+                                      lambda a: DraftClient(a, credentials=credentials, step_streams=step_streams))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
                 pool.update(found, factory)

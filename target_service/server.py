@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
@@ -51,6 +52,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                    total_ms=(time.perf_counter() - start) * 1e3))
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        return await self._verify(request, context)
+
+    async def VerifyStream(self, request_iterator, context):
+        """Verify over the gateway's persistent stream: one response per request, same handler as Verify."""
+        async for response in serve_step_stream(request_iterator, context, self._verify, "Verify", self.metrics):
+            yield response  # an async generator handler: grpc.aio streams what it yields
+
+    async def _verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         start = time.perf_counter()
         try:
             inputs = convert.verify_inputs(request)

@@ -49,6 +49,11 @@ class TargetServiceStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/tandem.v1.TargetService/VerifyStream',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.TargetService/Release',
                 request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ReleaseRequest.SerializeToString,
@@ -83,6 +88,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify as a persistent bidirectional stream (the gateway's default step path: a round trip on an open stream
+        costs about half a unary call). Exactly one VerifyResponse per VerifyRequest, in request order, with the same
+        semantics as Verify; the stream lives as long as the gateway<->pod connection. Per-sequence errors come back in
+        VerifyResult.status like the unary call; an error of a whole request (INVALID_ARGUMENT, ...) ends the stream
+        with that gRPC status and the client opens a new one. Verify stays for other clients and as the fallback.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free sequences' KV.
         """
@@ -107,6 +123,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.SerializeToString,
             ),
@@ -178,6 +199,33 @@ class TargetService:
             request,
             target,
             '/tandem.v1.TargetService/Verify',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.TargetService/VerifyStream',
             protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_tandem__pb2.VerifyResponse.FromString,
             options,
@@ -269,6 +317,11 @@ class DraftServiceStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/tandem.v1.DraftService/ProposeStream',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.DraftService/Release',
                 request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ReleaseRequest.SerializeToString,
@@ -303,6 +356,15 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose as a persistent bidirectional stream: one ProposeResponse per ProposeRequest, in order, with the
+        semantics of Propose; per-sequence errors in ProposeResult.status, a whole-request error ends the stream with
+        its gRPC status (the client reopens). Propose stays for other clients and as the fallback.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free sequences' state.
         """
@@ -326,6 +388,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.SerializeToString,
             ),
@@ -397,6 +464,33 @@ class DraftService:
             request,
             target,
             '/tandem.v1.DraftService/Propose',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DraftService/ProposeStream',
             protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_tandem__pb2.ProposeResponse.FromString,
             options,
