@@ -1,0 +1,310 @@
+"""SYNTHETIC proposer — synthetic acceptance, benchmarks only.
+
+Measures the speculative machinery (verify cost, draft cost, loop overhead) at a controlled accept length on dummy
+weights, where no real draft can agree with the target. It knows the target's greedy continuation of each prompt from
+an oracle (a JSON file written by a reference AR run, `bench/speculative.py`) and proposes it, keeping the token at
+each absolute position with probability `accept_rate` (a seeded hash of prompt and position, so reruns agree) and
+putting a wrong token there otherwise. It spends the real compute of an EAGLE-3-sized head (fc 3h->h, one Llama
+decoder layer over its own paged KV, draft-vocab lm_head, the top-k beam builder) with random weights on the draft's
+device, `num_steps` forwards per Propose; that output is discarded.
+
+Trees: the shape depends only on (num_steps, topk, num_draft_tokens): best-first over child ranks (a spine of rank-0
+children at every depth, then rank 1 siblings, ...), cut to num_draft_tokens - 1 nodes, parents first, sibling
+order shuffled. The oracle token sits on the spine; every other node is wrong. A chain or tree of depth D thus has
+expected accept length (bonus included) sum_{i=0..D} a^i. Lossless by construction: the target verifies everything.
+A sequence whose prompt the oracle does not know, or whose committed tokens left the oracle's, gets wrong tokens
+(accept length ~1).
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from runtime.config import EngineConfig, ModelConfig
+from runtime.speculative.tree import BeamTreeBuilder, DraftTree
+
+logger = logging.getLogger(__name__)
+ORACLE_FORMAT = "tandem-synthetic-oracle/1"
+_MASK = (1 << 64) - 1
+
+
+def expected_tau(accept_rate: float, depth: int) -> float:
+    """Expected tokens per verify step (bonus included) when each of `depth` spine positions is kept with prob a."""
+    return sum(accept_rate ** i for i in range(depth + 1))
+
+
+def rate_for_tau(tau: float, depth: int) -> float:
+    """The accept rate whose expected_tau at this depth is `tau` (bisection; tau must be in [1, depth + 1])."""
+    if not 1.0 <= tau <= depth + 1:
+        raise ValueError(f"accept length {tau} is not reachable with depth {depth} (range [1, {depth + 1}])")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tau(mid, depth) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 over the values: a stable hash (Python's hash() is salted per process)."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & _MASK)) & _MASK
+        x = (x + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        x ^= x >> 31
+    return x
+
+
+class Oracle:
+    """Prompt token ids -> the target's greedy continuation (a reference AR run's output)."""
+
+    def __init__(self, entries: dict[tuple[int, ...], list[int]] | None = None) -> None:
+        self.entries = {tuple(k): list(v) for k, v in (entries or {}).items()}
+        self._lengths = sorted({len(k) for k in self.entries})
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Oracle:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"synthetic oracle {path}: {exc}") from None
+        if raw.get("format") != ORACLE_FORMAT or not isinstance(raw.get("entries"), list):
+            raise ValueError(f"synthetic oracle {path}: expected {{'format': {ORACLE_FORMAT!r}, 'entries': [...]}}")
+        entries = {}
+        for i, e in enumerate(raw["entries"]):
+            if not e.get("prompt_ids") or not isinstance(e.get("continuation"), list):
+                raise ValueError(f"synthetic oracle {path}: entry {i} needs prompt_ids and continuation")
+            entries[tuple(int(t) for t in e["prompt_ids"])] = [int(t) for t in e["continuation"]]
+        return cls(entries)
+
+    def save(self, path: str | Path) -> None:
+        data = {"format": ORACLE_FORMAT, "note": "synthetic acceptance, benchmarks only",
+                "entries": [{"prompt_ids": list(k), "continuation": v} for k, v in self.entries.items()]}
+        Path(path).write_text(json.dumps(data))
+
+    def match(self, token_ids: list[int]) -> tuple[int, list[int]] | None:
+        """(prompt hash, prompt + continuation) of the entry these committed tokens follow, None if none."""
+        for n in self._lengths:
+            if n > len(token_ids):
+                break
+            key = tuple(token_ids[:n])
+            cont = self.entries.get(key)
+            if cont is not None and list(token_ids[n:]) == cont[: len(token_ids) - n]:
+                return _mix(n, *key), [*key, *cont]
+        return None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    parents: list[int]
+    depths: list[int]  # 0-based: the node predicts position committed_len + depth
+    spine: list[bool]  # on the all-rank-0 path (the oracle path)
+
+
+def tree_shape(spec: SpecShape) -> _Shape:
+    """Best-first over child ranks (score = sum of ranks on the path, shallower first on ties), num_draft_tokens - 1
+    nodes, ordered by depth (parents first). Deterministic per spec."""
+    budget = max(spec.num_draft_tokens - 1, 0)
+    heap: list[tuple[int, int, int, int, bool]] = []  # (score, depth, seq, parent picked index, spine)
+    counter = 0
+    for r in range(spec.topk):
+        heap.append((r, 0, counter, -1, r == 0))
+        counter += 1
+    heapq.heapify(heap)
+    picked: list[tuple[int, int, bool]] = []  # (depth, parent picked index, spine)
+    while heap and len(picked) < budget:
+        score, depth, _, parent, spine = heapq.heappop(heap)
+        picked.append((depth, parent, spine))
+        if depth + 1 < spec.num_steps:
+            for r in range(spec.topk):
+                heapq.heappush(heap, (score + r, depth + 1, counter, len(picked) - 1, spine and r == 0))
+                counter += 1
+    # Sibling order shuffled (a stable hash), so the oracle child is not always first; depth order keeps parents first.
+    order = sorted(range(len(picked)), key=lambda i: (picked[i][0], _mix(spec.topk, i)))
+    new_index = {old: new for new, old in enumerate(order)}
+    return _Shape([-1 if picked[i][1] < 0 else new_index[picked[i][1]] for i in order],
+                  [picked[i][0] for i in order], [picked[i][2] for i in order])
+
+
+class SyntheticHead:
+    """An EAGLE-3-sized head with random weights, run for its cost only (runtime/models/eagle3.py)."""
+
+    def __init__(self, target_config: ModelConfig, engine_config: EngineConfig, hidden_size: int | None = None,
+                 draft_vocab_size: int = 32000) -> None:
+        from runtime.model_runner import ModelRunner
+        from runtime.models.eagle import materialize
+        from runtime.models.eagle3 import Eagle3Options, LlamaEagle3ForCausalLM
+        from runtime.models.loader import init_dummy_weights
+
+        h = hidden_size or target_config.hidden_size
+        head_dim = 128 if h % 128 == 0 and h >= 512 else 32
+        if h % head_dim:
+            raise ValueError(f"synthetic head hidden size {h} must be a multiple of {head_dim}")
+        heads = h // head_dim
+        config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=target_config.vocab_size, hidden_size=h,
+                             num_layers=1, num_heads=heads, num_kv_heads=max(1, heads // 4), head_dim=head_dim,
+                             intermediate_size=int(h * 3.5), rms_norm_eps=1e-5, rope_theta=500000.0,
+                             max_position_embeddings=target_config.max_position_embeddings)
+        options = Eagle3Options(target_hidden_size=target_config.hidden_size,
+                                draft_vocab_size=min(draft_vocab_size, target_config.vocab_size))
+        model = materialize(lambda: LlamaEagle3ForCausalLM(config, options), config, engine_config)
+        init_dummy_weights(model, engine_config.seed)
+        self.model = model.eval()
+        self.runner = ModelRunner(None, engine_config, config, model=self.model)
+        self.feature_size = self.model.feature_size
+        self.draft_vocab_size = options.draft_vocab_size
+        self.max_context_len = config.max_position_embeddings
+
+    def release(self, seq_id: str) -> None:
+        if self.runner.has_seq(seq_id):
+            self.runner.free_seq(seq_id)
+
+    def run(self, items: list[tuple[str, list[int], SpecShape]]) -> None:
+        """items: (seq_id, committed tokens, spec). EAGLE's work: catch up the committed tokens the head has not seen
+        (KV holds [0, C-1)), then num_steps - 1 tree forwards of topk nodes and the beam builder; output discarded."""
+        from runtime.model_runner import SeqForward
+
+        runner = self.runner
+        fits = [(s, toks, spec) for s, toks, spec in items if self._fits(s, len(toks), spec)]
+        if not fits:
+            return
+        forwards = []
+        for seq_id, tokens, _ in fits:
+            if not runner.has_seq(seq_id):
+                runner.add_seq(seq_id)
+            first = min(runner.kv_len(seq_id), len(tokens) - 2)
+            runner.truncate(seq_id, first)
+            n = len(tokens) - 1 - first
+            feats = torch.full((n, self.feature_size), 0.01, device=runner.device, dtype=runner.dtype)
+            forwards.append(SeqForward(seq_id, tokens[first + 1:], logits="last", capture_hidden=True,
+                                       input_features=self.model.project_features(feats)))
+        out = runner.forward(forwards)
+        groups: dict[SpecShape, list[int]] = {}
+        for i, (_, _, spec) in enumerate(fits):
+            groups.setdefault(spec, []).append(i)
+        for spec, idx in groups.items():
+            self._expand([fits[i] for i in idx], spec, torch.stack([out.logits[i][-1] for i in idx]),
+                         torch.stack([out.hidden[i][-1] for i in idx]))
+        for seq_id, tokens, _ in fits:
+            runner.truncate(seq_id, len(tokens) - 1)
+
+    def _fits(self, seq_id: str, committed_len: int, spec: SpecShape) -> bool:
+        if committed_len < 2 or spec.num_steps < 1 or committed_len - 1 + spec.num_steps > self.max_context_len:
+            return False
+        kv = self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
+        need = committed_len - kv + spec.num_steps * spec.topk + 2 * self.runner.block_manager.block_size
+        return need <= self.runner.num_free_tokens()
+
+    def _expand(self, group, spec: SpecShape, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        from runtime.model_runner import SeqForward
+
+        b, k = len(group), spec.topk
+        ndt = min(spec.num_draft_tokens, 1 + k + (spec.num_steps - 1) * k * k)
+        builder = BeamTreeBuilder(b, spec.num_steps, k, max(ndt, 2))
+        nodes = builder.first(torch.log_softmax(logits.float(), dim=-1))
+        parent_hidden = hidden.unsqueeze(1).expand(b, k, -1)
+        for step in range(1, spec.num_steps):
+            s = step - 1
+            ranks = nodes.parents - (s - 1) * k if s > 0 else torch.zeros_like(nodes.parents)
+            feats = parent_hidden.gather(1, ranks.to(parent_hidden.device).unsqueeze(-1).expand(
+                -1, -1, parent_hidden.shape[-1]))
+            tokens = nodes.tokens.tolist()  # draft-vocab ids are valid target ids (the draft vocab is smaller)
+            out = self.runner.forward([
+                SeqForward(seq_id, tokens[i], positions=[len(committed) - 1 + s] * k,
+                           parents=nodes.parents[i].tolist(), logits="all", capture_hidden=True,
+                           input_features=feats[i])
+                for i, (seq_id, committed, _) in enumerate(group)])
+            parent_hidden = torch.stack(out.hidden)
+            nodes = builder.next(torch.log_softmax(torch.stack(out.logits).float(), dim=-1))
+        builder.finalize()  # host readback: the draft's GPU work is done before the tree goes out
+
+
+@dataclass
+class _SeqOracle:
+    key: int
+    full: list[int] | None  # prompt + the target's greedy continuation; None = unknown or diverged
+
+
+class SyntheticProposer(Proposer):
+    """Synthetic acceptance, benchmarks only: the oracle continuation kept at `accept_rate` per position."""
+
+    algorithm = "SYNTHETIC"
+
+    def __init__(self, accept_rate: float, vocab_size: int, oracle: Oracle | None = None, seed: int = 0,
+                 head: SyntheticHead | None = None) -> None:
+        super().__init__()
+        if not 0.0 <= accept_rate <= 1.0:
+            raise ValueError(f"synthetic accept rate must be in [0, 1], got {accept_rate}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.accept_rate = accept_rate
+        self.vocab_size = vocab_size
+        self.oracle = oracle or Oracle()
+        self.seed = seed
+        self.head = head
+        self._seq: dict[str, _SeqOracle] = {}
+        self._shapes: dict[SpecShape, _Shape] = {}
+        self.stats = {"proposals": 0, "with_oracle": 0, "diverged_seqs": 0, "unknown_seqs": 0}
+
+    def memory(self) -> tuple[int, int]:
+        if self.head is None:
+            return 0, 0
+        return self.head.runner.num_free_tokens(), self.head.runner.num_total_tokens()
+
+    def _on_prefill(self, seq_id: str) -> None:
+        tokens = self._tokens[seq_id]
+        found = self.oracle.match(tokens)
+        if found is None:
+            self.stats["unknown_seqs"] += 1
+            self._seq[seq_id] = _SeqOracle(_mix(len(tokens), *tokens[:64]), None)
+        else:
+            self._seq[seq_id] = _SeqOracle(*found)
+
+    def _on_release(self, seq_id: str) -> None:
+        self._seq.pop(seq_id, None)
+        if self.head is not None:
+            self.head.release(seq_id)
+
+    def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
+        if self.head is not None:
+            self.head.run([(inp.seq_id, self._tokens[inp.seq_id], inp.spec) for inp in inputs])
+        return [self._tree(inp) for inp in inputs]
+
+    def _tree(self, inp: ProposeInput) -> DraftTree:
+        spec = inp.spec
+        if spec.num_steps < 1 or spec.num_draft_tokens < 2:
+            return DraftTree([], [])
+        shape = self._shapes.get(spec)
+        if shape is None:
+            shape = self._shapes[spec] = tree_shape(spec)
+        tokens = self._tokens[inp.seq_id]
+        state = self._seq[inp.seq_id]
+        length = len(tokens)
+        if state.full is not None and tokens != state.full[:length]:
+            state.full = None  # the target's tokens left the oracle's (e.g. numerics); wrong tokens from here
+            self.stats["diverged_seqs"] += 1
+        self.stats["proposals"] += 1
+        if state.full is not None:
+            self.stats["with_oracle"] += 1
+        out = []
+        for i, (depth, on_spine) in enumerate(zip(shape.depths, shape.spine)):
+            pos = length + depth
+            truth = state.full[pos] if state.full is not None and pos < len(state.full) else None
+            keep = on_spine and truth is not None and _mix(self.seed, state.key, pos) < self.accept_rate * 2.0**64
+            if keep:
+                out.append(truth)
+            else:
+                h = _mix(self.seed, state.key, pos, i + 1)
+                out.append(h % self.vocab_size if truth is None else (truth + 1 + h % (self.vocab_size - 1))
+                           % self.vocab_size)
+        return DraftTree(out, list(shape.parents))
