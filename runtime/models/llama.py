@@ -11,7 +11,11 @@ Owns the weights and the math; the attention backend owns the KV layout and mask
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,48 @@ from runtime.config import ModelConfig
 from runtime.distributed import TPGroup, TPShard
 from runtime.kv_pool import KVPool
 from runtime.models import register_model
+
+
+def _env_fused_mode() -> bool | None:
+    raw = os.environ.get("TANDEM_FUSED_ELEMENTWISE", "auto").strip().lower()
+    modes = {"auto": None, "": None, "1": True, "on": True, "0": False, "off": False}
+    if raw not in modes:
+        raise ValueError(f"TANDEM_FUSED_ELEMENTWISE={raw!r}: expected auto, 1/on or 0/off")
+    return modes[raw]
+
+
+# Fused Triton elementwise kernels (kernels/norm.py, rope.py, activation.py) for RMSNorm, residual add + RMSNorm,
+# RoPE and SiLU-mul. None (auto): on for CUDA tensors, off on CPU, where the torch path stays the exact lossless
+# reference; True forces them on (on CPU only under TRITON_INTERPRET=1), False off. Never under autograd: the
+# kernels have no backward, and training code (tools/train_eagle3.py) reuses these modules.
+_FUSED_MODE: bool | None = _env_fused_mode()
+_kernels: dict[str, ModuleType] = {}
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    on = x.is_cuda if _FUSED_MODE is None else _FUSED_MODE
+    return on and not torch.is_grad_enabled()
+
+
+@contextmanager
+def fused_elementwise(mode: bool | None) -> Iterator[None]:
+    """Set the fused-kernel switch for a block (tests, A/B benchmarks); None = auto."""
+    global _FUSED_MODE
+    old, _FUSED_MODE = _FUSED_MODE, mode
+    try:
+        yield
+    finally:
+        _FUSED_MODE = old
+
+
+def _k(name: str) -> ModuleType:
+    """kernels.<name>, imported on first use: `import runtime` must work without triton."""
+    mod = _kernels.get(name)
+    if mod is None:
+        import importlib
+
+        mod = _kernels[name] = importlib.import_module(f"kernels.{name}")
+    return mod
 
 
 @dataclass
@@ -37,6 +83,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() in (2, 3) and x.stride(-1) == 1 and use_fused(x):
+            return _k("norm").rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         # fp32 statistics as HF does; in bf16 the mean of squares loses too much.
         x32 = x.float()
@@ -127,8 +175,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             # Qwen3: per-head RMSNorm before RoPE.
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if cos.dtype == q.dtype and use_fused(q):
+            _k("rope").rotary(q, k, cos, sin)  # in place on the qkv output (or the q/k norm outputs)
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         out = backend.forward(self.layer_id, q, k, v, kv_pool)  # (N, nh * hd)
         out = self.o_proj(out)  # (N, H); under TP a partial sum over this rank's heads
         return self.tp.all_reduce(out) if self.tp is not None else out
@@ -143,8 +194,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (N, I) each
-        out = self.down_proj(F.silu(gate) * up)  # (N, H); under TP a partial sum over this rank's slice
+        gate_up = self.gate_up_proj(x)  # (N, 2I)
+        if use_fused(gate_up):
+            act = _k("activation").silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (N, I) each
+            act = F.silu(gate) * up
+        out = self.down_proj(act)  # (N, H); under TP a partial sum over this rank's slice
         return self.tp.all_reduce(out) if self.tp is not None else out
 
 
@@ -159,6 +215,14 @@ class DecoderLayer(nn.Module):
     def forward(self, h, cos, sin, backend, kv_pool) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, backend, kv_pool)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(self, normed, h, cos, sin, backend, kv_pool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused-kernel form: takes this layer's normed input and residual stream h, returns (mlp output, h after
+        the attention add); the caller adds the mlp output inside the next norm (fused_add_rms_norm)."""
+        attn = self.self_attn(normed, cos, sin, backend, kv_pool)
+        norm = self.post_attention_layernorm
+        normed, h = _k("norm").fused_add_rms_norm(attn, h, norm.weight, norm.eps)
+        return self.mlp(normed), h
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -194,17 +258,38 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         captured: list[torch.Tensor] = []
         capture = set(capture_layers or ())
-        for i, layer in enumerate(self.layers):
-            if i in capture:
+        if use_fused(h):
+            hidden = self._layers_fused(h, cos, sin, backend, kv_pool, capture, captured)
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in capture:
+                    captured.append(h)
+                h = layer(h, cos, sin, backend, kv_pool)
+            if len(self.layers) in capture:  # index num_layers = output of the last layer, before the final norm
                 captured.append(h)
-            h = layer(h, cos, sin, backend, kv_pool)
-        if len(self.layers) in capture:  # index num_layers = output of the last layer, before the final norm
-            captured.append(h)
+            hidden = self.norm(h)
         aux = None
         if capture_layers:
             by_layer = dict(zip(sorted(capture), captured))
             aux = torch.cat([by_layer[i] for i in capture_layers], dim=-1)  # (N, len(capture_layers) * H)
-        return ModelOutput(hidden=self.norm(h), aux_hidden=aux)
+        return ModelOutput(hidden=hidden, aux_hidden=aux)
+
+    def _layers_fused(self, h, cos, sin, backend, kv_pool, capture: set[int], captured: list) -> torch.Tensor:
+        """The decoder stack with each residual add fused into the next RMSNorm; appends the residual stream at the
+        capture indices to `captured` like the torch loop. Returns the final-norm hidden states."""
+        norm_mod = _k("norm")
+        delta = None  # the previous sublayer's output, not yet added to h
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        for i, norm in enumerate(norms):
+            if delta is None:
+                normed = norm_mod.rms_norm(h, norm.weight, norm.eps)
+            else:  # h + delta is written into delta's buffer, so tensors already in `captured` stay as they were
+                normed, h = norm_mod.fused_add_rms_norm(delta, h, norm.weight, norm.eps)
+            if i in capture:
+                captured.append(h)
+            if i < len(self.layers):
+                delta, h = self.layers[i].forward_fused(normed, h, cos, sin, backend, kv_pool)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # (rows, vocab) or, under TP, (rows, vocab_per_rank)
