@@ -241,7 +241,9 @@ class SyntheticProposer(Proposer):
     algorithm = "SYNTHETIC"
 
     def __init__(self, accept_rate: float, vocab_size: int, oracle: Oracle | None = None, seed: int = 0,
-                 head: SyntheticHead | None = None) -> None:
+                 head: SyntheticHead | None = None, oracle_path: str | Path | None = None) -> None:
+        """oracle_path: a JSON oracle re-read whenever it changes (checked at each Prefill), so a benchmark can write
+        it after the service started; a missing file means an empty oracle."""
         super().__init__()
         if not 0.0 <= accept_rate <= 1.0:
             raise ValueError(f"synthetic accept rate must be in [0, 1], got {accept_rate}")
@@ -250,6 +252,9 @@ class SyntheticProposer(Proposer):
         self.accept_rate = accept_rate
         self.vocab_size = vocab_size
         self.oracle = oracle or Oracle()
+        self.oracle_path = Path(oracle_path) if oracle_path else None
+        self._oracle_mtime: int | None = None
+        self._refresh_oracle()
         self.seed = seed
         self.head = head
         self._seq: dict[str, _SeqOracle] = {}
@@ -261,7 +266,20 @@ class SyntheticProposer(Proposer):
             return 0, 0
         return self.head.runner.num_free_tokens(), self.head.runner.num_total_tokens()
 
+    def _refresh_oracle(self) -> None:
+        if self.oracle_path is None:
+            return
+        try:
+            mtime = self.oracle_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime != self._oracle_mtime:
+            self.oracle = Oracle.load(self.oracle_path)
+            self._oracle_mtime = mtime
+            logger.info("synthetic oracle %s: %d prompts", self.oracle_path, len(self.oracle))
+
     def _on_prefill(self, seq_id: str) -> None:
+        self._refresh_oracle()
         tokens = self._tokens[seq_id]
         found = self.oracle.match(tokens)
         if found is None:

@@ -128,21 +128,21 @@ def build_proposer(args: argparse.Namespace):
 
 def build_synthetic(args: argparse.Namespace):
     """SYNTHETIC proposer (synthetic acceptance, benchmarks only) with its random EAGLE-3-sized head."""
-    from draft_service.synthetic import Oracle, SyntheticHead, SyntheticProposer
+    from draft_service.synthetic import SyntheticHead, SyntheticProposer
     from runtime.config import ModelConfig
 
     target_config = ModelConfig.from_pretrained(model_path(args))
-    try:
-        oracle = Oracle.load(args.synthetic_oracle) if args.synthetic_oracle else None
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    if oracle is None:
+    if not args.synthetic_oracle:
         logger.warning("SYNTHETIC without --synthetic-oracle: every draft token is wrong (accept length 1)")
     head = None
     if args.synthetic_head_hidden != 0:
         head = SyntheticHead(target_config, _engine_config(args, "dummy"), args.synthetic_head_hidden,
                              args.synthetic_draft_vocab)
-    return SyntheticProposer(args.synthetic_accept_rate, target_config.vocab_size, oracle, args.random_seed, head)
+    try:  # the oracle file is re-read when it changes (a benchmark writes it after its reference AR run)
+        return SyntheticProposer(args.synthetic_accept_rate, target_config.vocab_size, None, args.random_seed, head,
+                                 oracle_path=args.synthetic_oracle)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 async def run_draft(args: argparse.Namespace) -> None:

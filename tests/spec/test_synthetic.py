@@ -176,3 +176,14 @@ def test_synthetic_head_spends_compute_and_keeps_no_speculative_kv():
     assert [tree.token_ids[i] for i in range(len(tree)) if tree.depths()[i] == 0].count(11) == 1
     proposer.release(["a"])
     assert head.runner.num_free_tokens() == head.runner.num_total_tokens()
+
+
+def test_oracle_file_is_reread_when_it_changes(tmp_path):
+    path = tmp_path / "oracle.json"
+    proposer = SyntheticProposer(1.0, 100, oracle_path=path)  # no file yet: every draft is wrong
+    proposer.prefill("a", [1, 2, 3])
+    assert proposer.stats["unknown_seqs"] == 1
+    Oracle({(1, 2): [3, 4, 5, 6]}).save(path)
+    proposer.prefill("b", [1, 2, 3])
+    tree = proposer.propose([ProposeInput("b", 3, [], SpecShape(3, 1, 4))])[0].tree
+    assert tree.token_ids == [4, 5, 6] and proposer.stats["unknown_seqs"] == 1
