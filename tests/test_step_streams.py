@@ -256,3 +256,53 @@ async def test_pod_gone_between_steps_raises_pod_unavailable_and_a_restarted_pod
     finally:
         await client.close()
         await server.stop(grace=None)
+
+
+def test_disable_step_streams_flag_reaches_only_the_gateway():
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    def cmds(*flags):
+        args = build_parser().parse_args(["serve", "--speculative-algorithm", "NGRAM", *flags])
+        args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 0, 1, 8
+        return commands(args)
+
+    on, off = cmds(), cmds("--disable-step-streams")
+    assert not any("--disable-step-streams" in c for c in on.values())
+    assert [n for n, c in off.items() if "--disable-step-streams" in c] == ["gateway"]
+    assert build_parser().parse_args(["gateway", "--target-address", "x:1", "--disable-step-streams"]).disable_step_streams
+
+
+async def test_real_draft_service_stream_validates_and_counts_like_unary():
+    """ProposeStream on the real DraftServicer: a rejected request ends the stream (ValueError at the client, counted
+    INVALID_ARGUMENT under rpc="Propose"), the next call reopens it, and OK steps are counted like unary calls."""
+    from prometheus_client import generate_latest
+
+    from draft_service.ngram import NgramConfig
+    from draft_service.ngram_draft import NgramDraft
+    from draft_service.server import serve_draft
+    from gateway.clients import DraftClient, ProposeItem
+    from tandem.observability import ServiceMetrics
+    from tests.ops.conftest import parse_metrics
+
+    metrics = ServiceMetrics("draft")
+    server, port = await serve_draft(NgramDraft(NgramConfig(num_draft_tokens=4)), "", "127.0.0.1", 0, metrics=metrics)
+    client = DraftClient(f"127.0.0.1:{port}", timeout_s=5)
+    tokens = [5, 6, 7, 8, 5, 6, 7]
+    try:
+        assert await client.prefill([("n", tokens, None)]) == [0]
+        ok = ProposeItem("n", len(tokens), [], 3, 1, 4)
+        first = await client.propose([ok])
+        assert first[0].status == 0 and first[0].tree_tokens[:1] == [8]  # the n-gram 5 6 7 -> 8
+        with pytest.raises(ValueError, match="new tokens > committed_len"):
+            await client.propose([ProposeItem("n", 1, [1, 2], 3, 1, 4)])
+        assert (await client.propose([ok]))[0].tree_tokens == first[0].tree_tokens
+        assert client.propose_stream.num_opened == 2 and client.propose_stream.num_unary == 0
+    finally:
+        await client.close()
+        await server.stop(grace=None)
+    got = parse_metrics(generate_latest(metrics.registry).decode())
+    assert got['tandem:rpc_requests_total{code="OK",rpc="Propose",service="draft"}'] == 2
+    assert got['tandem:rpc_requests_total{code="INVALID_ARGUMENT",rpc="Propose",service="draft"}'] == 1
+    assert got['tandem:forward_time_seconds_count{rpc="Propose",service="draft"}'] == 2
+    assert not any("ProposeStream" in key for key in got)  # the stream itself is not counted as one long RPC
