@@ -1,0 +1,203 @@
+"""`bench/speculative.py --mode services`: SYNTHETIC ACCEPTANCE through real processes on one device.
+
+Per speculative config: one target service (its CUDA graphs captured for that verify width), one SYNTHETIC draft
+service and two gateways over the same target — a plain one (the reference AR run, whose outputs become the oracle
+file the draft re-reads) and a speculative one. Requests are gRPC Generate streams, one per sequence of the batch, sent
+together. t_verify / t_draft are the services' own per-RPC model times (`tandem:forward_time_seconds` of Verify on the
+target and Propose on the draft, from their /metrics), differenced around each run.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_decode import free_port, model_dir  # noqa: E402
+
+from draft_service.synthetic import Oracle  # noqa: E402
+from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
+from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
+from tandem.args import REPO_ROOT  # noqa: E402
+
+PROMPT_VOCAB = 2048  # ids every tokenizer the gateway may load accepts (as bench/serve_decode.py)
+
+
+def _metric(port: int, rpc: str) -> tuple[float, float]:
+    """(sum seconds, count) of tandem:forward_time_seconds for one RPC from a service's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for kind in ("sum", "count"):
+        m = re.search(rf'^tandem:forward_time_seconds_{kind}{{[^}}]*rpc="{rpc}"[^}}]*}} (\S+)$', text, re.M)
+        values[kind] = float(m.group(1)) if m else 0.0
+    return values["sum"], values["count"]
+
+
+def _generate(stub, prompt: list[int], max_new: int) -> dict:
+    request = pb.GenerateRequest(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True, skip_detokenize=True)
+    tokens, first, usage = [], None, None
+    for response in stub.Generate(request, timeout=600):
+        if first is None and response.token_ids:
+            first = time.perf_counter()
+        tokens.extend(response.token_ids)
+        if response.HasField("usage"):
+            usage = response.usage
+    return {"tokens": tokens, "first": first, "end": time.perf_counter(), "usage": usage}
+
+
+def _run_batch(stub, prompts: list[list[int]], max_new: int) -> dict:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda q: _generate(stub, q, max_new), prompts))
+    # Decode rate after the (batched) prefill: tokens past each first one over the span from the first first token.
+    tokens = sum(len(o["tokens"]) - 1 for o in outs)
+    span = max(o["end"] for o in outs) - min(o["first"] for o in outs)
+    steps = sum(o["usage"].verify_steps for o in outs)
+    return {"outs": outs, "tokens": tokens, "wall": span, "seq_steps": steps}
+
+
+class Stack:
+    """Target + SYNTHETIC draft + plain and speculative gateways, as child processes."""
+
+    def __init__(self, args, path: Path, config, rate: float, oracle_path: Path, log_dir: Path) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self.ports = {k: free_port() for k in ("target", "draft", "target_m", "draft_m", "ar", "ar_http", "spec",
+                                                "spec_http")}
+        max_bs = max(args.batch_sizes)
+        kv = max_bs * (args.prompt_len + args.max_new_tokens + 2 * config.ndt + 64) + 4096
+        model = ["--model-path", str(path), "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
+                 "--max-total-tokens", str(kv), "--cuda-graph-max-bs", str(max_bs), "--log-level", "warning"]
+        if args.attention_backend:
+            model += ["--attention-backend", args.attention_backend]
+        spec = ["--speculative-algorithm", "SYNTHETIC", "--speculative-num-steps", str(config.steps),
+                "--speculative-eagle-topk", str(config.topk), "--speculative-num-draft-tokens", str(config.ndt)]
+        p = self.ports
+        target = ["target", *model, *spec, "--service-port", str(p["target"]), "--metrics-port", str(p["target_m"])]
+        if args.disable_cuda_graph:
+            target.append("--disable-cuda-graph")
+        draft = ["draft", *model, *spec, "--service-port", str(p["draft"]), "--metrics-port", str(p["draft_m"]),
+                 "--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
+                 "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
+        if args.head_hidden is not None:
+            draft += ["--synthetic-head-hidden", str(args.head_hidden)]
+        if args.disable_cuda_graph or not args.draft_cuda_graph:
+            draft.append("--disable-cuda-graph")
+        gateway = ["gateway", "--model-path", str(path), "--target-address", f"127.0.0.1:{p['target']}",
+                   "--max-running-requests", str(max_bs), "--log-level", "warning"]
+        for name, cmd in (("target", target), ("draft", draft),
+                          ("gateway-ar", [*gateway, "--grpc-port", str(p["ar"]), "--port", str(p["ar_http"])]),
+                          ("gateway-spec", [*gateway, *spec, "--draft-address", f"127.0.0.1:{p['draft']}",
+                                            "--grpc-port", str(p["spec"]), "--port", str(p["spec_http"])])):
+            log = log_dir / f"{name}-{config.steps}-{config.topk}-{config.ndt}.log"
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "tandem.cli", *cmd], cwd=REPO_ROOT,
+                                               stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                               env=dict(os.environ, PYTHONUNBUFFERED="1")))
+        self.channels = {k: grpc.insecure_channel(f"127.0.0.1:{p[k]}") for k in ("ar", "spec")}
+        self.stubs = {k: pb_grpc.GatewayStub(c) for k, c in self.channels.items()}
+
+    def wait_ready(self, deadline_s: float) -> None:
+        deadline = time.monotonic() + deadline_s
+        for key, channel in self.channels.items():
+            while True:
+                self._check_alive()
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=2)
+                    self.stubs[key].Info(pb.InfoRequest(), timeout=10)
+                    break
+                except (grpc.FutureTimeoutError, grpc.RpcError):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"gateway {key} not ready after {deadline_s:.0f} s; logs: {self.logs}")
+
+    def _check_alive(self) -> None:
+        for proc, log in zip(self.procs, self.logs):
+            if proc.poll() is not None:
+                tail = log.read_text()[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{log.name} exited with {proc.returncode}:\n{tail}")
+
+    def metrics(self) -> dict:
+        return {"verify": _metric(self.ports["target_m"], "Verify"), "propose": _metric(self.ports["draft_m"],
+                                                                                         "Propose")}
+
+    def close(self) -> None:
+        for c in self.channels.values():
+            c.close()
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bench_services(args, configs) -> list[dict]:
+    from speculative import _row, make_prompts
+
+    path = model_dir(args.tiny)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    oracle_path = out_dir / "oracle.json"
+    extra = max(c.steps for c in configs) + 1
+    rows = []
+    for config in sorted(configs, key=lambda c: c.ndt):
+        rate = config.rate(args.accept_rate)
+        if oracle_path.exists():
+            oracle_path.unlink()
+        stack = Stack(args, path, config, rate, oracle_path, out_dir)
+        try:
+            start = time.perf_counter()
+            stack.wait_ready(900)
+            print(f"[{config.name}] services ready in {time.perf_counter() - start:.0f} s", flush=True)
+            warm = make_prompts(1, args.prompt_len, PROMPT_VOCAB, args.seed + 99)
+            _generate(stack.stubs["ar"], warm[0], 8)
+            _generate(stack.stubs["spec"], warm[0], 2 * config.steps)
+            entries: dict[tuple[int, ...], list[int]] = {}
+            for bs in args.batch_sizes:
+                prompts = make_prompts(bs, args.prompt_len, PROMPT_VOCAB, args.seed)
+                before = stack.metrics()
+                ar = _run_batch(stack.stubs["ar"], prompts, args.max_new_tokens + extra)
+                ar.update(_timings(before, stack.metrics()))
+                entries.update({tuple(q): o["tokens"] for q, o in zip(prompts, ar["outs"])})
+                tmp = oracle_path.with_suffix(".tmp")
+                Oracle(entries).save(tmp)
+                os.replace(tmp, oracle_path)  # the draft re-reads it at the next Prefill
+                ar_tok_s = ar["tokens"] / ar["wall"]
+                ar_row = _row("AR", None, bs, ar, ar_tok_s, ar_tok_s, 1.0, None)
+                if not any(r["config"] == "AR" and r["batch_size"] == bs for r in rows):
+                    rows.append(ar_row)
+                before = stack.metrics()
+                sp = _run_batch(stack.stubs["spec"], prompts, args.max_new_tokens)
+                sp.update(_timings(before, stack.metrics()))
+                sp["seq_steps"] = sum(o["usage"].verify_steps for o in sp["outs"])
+                stats = {"accepted_draft_tokens": sum(o["usage"].accepted_draft_tokens for o in sp["outs"]),
+                         "proposed_draft_tokens": sum(o["usage"].proposed_draft_tokens for o in sp["outs"])}
+                row = _row(config.name, config, bs, sp, sp["tokens"] / sp["wall"], ar_tok_s, rate, stats)
+                row["ar_tok_s_same_stack"] = ar_tok_s
+                rows.append(row)
+                print(f"[bs {bs}] {config.name}: tau {row['tau']:.2f} (expected {row['tau_expected']:.2f}), "
+                      f"{row['tok_s']:,.1f} tok/s vs AR {ar_tok_s:,.1f} ({row['speedup']:.2f}x), verify "
+                      f"{row['t_verify_ms']:.2f} ms + draft {row['t_draft_ms']:.2f} ms per step, efficiency "
+                      f"{row['efficiency']:.3f}", flush=True)
+        finally:
+            stack.close()
+    rows.sort(key=lambda r: (r["batch_size"], r["config"] != "AR"))
+    return rows
+
+
+def _timings(before: dict, after: dict) -> dict:
+    """Summed verify / propose model seconds and the number of Verify RPCs (steps) between two snapshots."""
+    dv, dp = after["verify"][0] - before["verify"][0], after["propose"][0] - before["propose"][0]
+    steps = int(after["verify"][1] - before["verify"][1])
+    return {"t_verify": dv, "t_draft": dp, "steps": steps}
