@@ -77,7 +77,8 @@ def _serve(kind: str, args: argparse.Namespace, port_queue) -> None:
 
             config = EngineConfig(device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                                   attention_backend=args.attention_backend,
-                                  cuda_graph_num_draft_tokens=args.tree_tokens + 1)
+                                  cuda_graph_num_draft_tokens=args.tree_tokens + 1,
+                                  cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph)
             engine = TargetEngine(ModelRunner(args.model_path, config))
             server, port = await serve_target(engine, args.model_path, "127.0.0.1", 0)
         port_queue.put(port)
@@ -207,6 +208,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=4, help="CUDA: graphs up to this batch (batch 1 is run)")
+    p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/rpc_overhead.json when $OUT is set)")
     args = p.parse_args()
     if args.attention_backend == "auto":

@@ -306,3 +306,21 @@ async def test_real_draft_service_stream_validates_and_counts_like_unary():
     assert got['tandem:rpc_requests_total{code="INVALID_ARGUMENT",rpc="Propose",service="draft"}'] == 1
     assert got['tandem:forward_time_seconds_count{rpc="Propose",service="draft"}'] == 2
     assert not any("ProposeStream" in key for key in got)  # the stream itself is not counted as one long RPC
+
+
+def test_rpc_overhead_bench_runs(tmp_path):
+    """CPU smoke of bench/rpc_overhead.py (trivial servicer only): both paths measured, the stream path stayed a
+    stream (the bench asserts it). Timings are reported, never asserted."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "rpc.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "rpc_overhead.py"), "--servers", "trivial", "--iters", "20",
+                    "--warmup", "5", "--block", "7", "--out", str(out)], check=True, timeout=120, cwd=root,
+                   capture_output=True)
+    result = json.loads(out.read_text())["servers"]["trivial"]
+    assert result["unary"]["n"] == result["stream"]["n"] == 20
+    assert result["stream"]["p50_ms"] > 0 and "stream_saves_ms" in result
