@@ -188,12 +188,11 @@ class StepStream:
 
     async def _roundtrip(self, request, timeout_s: float):
         address = self.client.address
-        if self._call is None or self._call.done():  # first call, or the last stream ended between steps
-            self._call = self._open()
-            self.num_opened += 1
-        call = self._call
         try:
-            response = await asyncio.wait_for(self._exchange(call, request), timeout_s)
+            if self._call is None or self._call.done():  # first call, or the last stream ended between steps
+                self._call = self._open()
+                self.num_opened += 1
+            response = await asyncio.wait_for(self._exchange(self._call, request), timeout_s)
         except asyncio.TimeoutError:
             self.reset()
             raise PodUnavailable(f"{address}: DEADLINE_EXCEEDED: no step response on the stream within "
