@@ -43,6 +43,8 @@ def rate_for_tau(tau: float, depth: int) -> float:
     """The accept rate whose expected_tau at this depth is `tau` (bisection; tau must be in [1, depth + 1])."""
     if not 1.0 <= tau <= depth + 1:
         raise ValueError(f"accept length {tau} is not reachable with depth {depth} (range [1, {depth + 1}])")
+    if tau in (1.0, depth + 1):
+        return 0.0 if tau == 1.0 else 1.0
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2

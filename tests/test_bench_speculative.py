@@ -38,4 +38,5 @@ def test_speculative_bench_smoke_inprocess(tmp_path):
     assert chain["accept_rate"] == 1.0 and chain["tau_expected"] == 4.0
     assert chain["tau"] > 3.0 and chain["t_draft_ms"] > 0
     assert chain["oracle"]["diverged_seqs"] == 0 and chain["oracle"]["unknown_seqs"] == 0
+    assert chain["oracle"]["outputs_off_oracle"] == 0 and chain["oracle"]["calibration_runs"] == 0
     assert rows["AR"]["tau"] == 1.0 and rows["AR"]["speedup"] == 1.0
