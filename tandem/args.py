@@ -28,8 +28,8 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the configured shape (benchmarks)")
     p.add_argument("--attention-backend", default="auto",
-                   help="attention backend of the model services: torch, triton, or auto (triton on CUDA, which CUDA "
-                        "graphs need; torch on CPU)")
+                   help="attention backend of the model services: torch, triton, flashinfer (CUDA only; pip install "
+                        "flashinfer-python), or auto (triton on CUDA; torch on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens per model service (default: sized for the device)")
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block (page size)")
@@ -78,6 +78,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="FR-Spec hot-token file (torch.load-able list of target ids) for EAGLE; ignored for EAGLE3")
     g.add_argument("--speculative-draft-load-format", default=None, choices=["auto", "safetensors", "dummy"],
                    help="load format of the draft model (default: --load-format)")
+    g.add_argument("--speculative-draft-attention-backend", default=None,
+                   help="attention backend of the draft model's runner: torch, triton, flashinfer or auto (default: "
+                        "--attention-backend)")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,

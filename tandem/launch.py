@@ -56,6 +56,8 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-token-map", args.speculative_token_map]
     if args.speculative_draft_load_format:
         flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
+    if args.speculative_draft_attention_backend:
+        flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
     return flags
 
 

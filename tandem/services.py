@@ -13,7 +13,9 @@ from tandem.args import DEFAULT_DRAFT, model_path
 logger = logging.getLogger("tandem")
 
 
-def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, target: bool = False):
+def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, target: bool = False,
+                   draft: bool = False):
+    """draft: the draft model's runner (its --speculative-draft-attention-backend, default --attention-backend)."""
     from runtime.config import EngineConfig
 
     device = args.device
@@ -26,6 +28,8 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
                   disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
                   enable_torch_compile=getattr(args, "enable_torch_compile", False),
                   torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32))
+    if draft and getattr(args, "speculative_draft_attention_backend", None):
+        kwargs["attention_backend"] = args.speculative_draft_attention_backend
     if target:  # the verify width the target's graphs are captured for
         kwargs["cuda_graph_num_draft_tokens"] = getattr(args, "speculative_num_draft_tokens", None)
     if args.max_total_tokens:
@@ -113,14 +117,15 @@ def build_proposer(args: argparse.Namespace):
         from draft_service.standalone import StandaloneProposer
 
         path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        runner = _build_runner(path, _engine_config(args, args.speculative_draft_load_format))
+        runner = _build_runner(path, _engine_config(args, args.speculative_draft_load_format, draft=True))
         return StandaloneProposer(runner), path
     if algorithm in ("EAGLE", "EAGLE3"):
         from draft_service.eagle import EagleProposer
 
         path = str(args.speculative_draft_model_path)
-        return EagleProposer(model_path(args), path, _engine_config(args, args.speculative_draft_load_format),
-                             algorithm, token_map=args.speculative_token_map), path
+        engine_config = _engine_config(args, args.speculative_draft_load_format, draft=True)
+        return EagleProposer(model_path(args), path, engine_config, algorithm,
+                             token_map=args.speculative_token_map), path
     if algorithm == "SYNTHETIC":
         return build_synthetic(args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")

@@ -38,7 +38,8 @@ class AttentionBackend:
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 # name -> module that registers it on import; lets `get_backend` find backends nobody has imported yet.
-_LAZY: dict[str, str] = {"torch": "runtime.attention.torch_backend", "triton": "runtime.attention.triton_backend"}
+_LAZY: dict[str, str] = {"torch": "runtime.attention.torch_backend", "triton": "runtime.attention.triton_backend",
+                         "flashinfer": "runtime.attention.flashinfer_backend"}  # optional, CUDA only
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
