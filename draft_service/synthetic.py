@@ -20,7 +20,8 @@ from __future__ import annotations
 import heapq
 import json
 import logging
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -111,6 +112,8 @@ class _Shape:
     parents: list[int]
     depths: list[int]  # 0-based: the node predicts position committed_len + depth
     spine: list[bool]  # on the all-rank-0 path (the oracle path)
+    offsets: list[int]  # per node, a fixed pseudo-random offset its wrong token is derived from
+    spine_nodes: list[int]  # indices of the spine nodes
 
 
 def tree_shape(spec: SpecShape) -> _Shape:
@@ -135,7 +138,9 @@ def tree_shape(spec: SpecShape) -> _Shape:
     order = sorted(range(len(picked)), key=lambda i: (picked[i][0], _mix(spec.topk, i)))
     new_index = {old: new for new, old in enumerate(order)}
     return _Shape([-1 if picked[i][1] < 0 else new_index[picked[i][1]] for i in order],
-                  [picked[i][0] for i in order], [picked[i][2] for i in order])
+                  [picked[i][0] for i in order], [picked[i][2] for i in order],
+                  [_mix(spec.topk, spec.num_steps, i) for i in range(len(order))],
+                  [new for new, old in enumerate(order) if picked[old][2]])
 
 
 class SyntheticHead:
@@ -234,7 +239,10 @@ class SyntheticHead:
 @dataclass
 class _SeqOracle:
     key: int
-    full: list[int] | None  # prompt + the target's greedy continuation; None = unknown or diverged
+    full: list[int] | None  # prompt + the target's greedy continuation; None = unknown, diverged or exhausted
+    rng: random.Random
+    keep: list[bool] = field(default_factory=list)  # keep[p]: the oracle token at position p is drafted right
+    checked: int = 0  # committed tokens [0, checked) are known to equal the oracle's
 
 
 class SyntheticProposer(Proposer):
@@ -261,7 +269,7 @@ class SyntheticProposer(Proposer):
         self.head = head
         self._seq: dict[str, _SeqOracle] = {}
         self._shapes: dict[SpecShape, _Shape] = {}
-        self.stats = {"proposals": 0, "with_oracle": 0, "diverged_seqs": 0, "unknown_seqs": 0}
+        self.stats = {"proposals": 0, "with_oracle": 0, "diverged_seqs": 0, "unknown_seqs": 0, "exhausted_seqs": 0}
 
     def memory(self) -> tuple[int, int]:
         if self.head is None:
@@ -286,9 +294,15 @@ class SyntheticProposer(Proposer):
         found = self.oracle.match(tokens)
         if found is None:
             self.stats["unknown_seqs"] += 1
-            self._seq[seq_id] = _SeqOracle(_mix(len(tokens), *tokens[:64]), None)
+            key, full = _mix(len(tokens), *tokens[:64]), None
         else:
-            self._seq[seq_id] = _SeqOracle(*found)
+            key, full = found
+        # Keep decisions come from a stream seeded by (seed, prompt), drawn in position order: reruns agree.
+        self._seq[seq_id] = _SeqOracle(key, full, random.Random(_mix(self.seed, key)))
+
+    def _on_rollback(self, seq_id: str, kept_len: int) -> None:
+        state = self._seq[seq_id]
+        state.checked = min(state.checked, kept_len)
 
     def _on_release(self, seq_id: str) -> None:
         self._seq.pop(seq_id, None)
@@ -301,6 +315,7 @@ class SyntheticProposer(Proposer):
         return [self._tree(inp) for inp in inputs]
 
     def _tree(self, inp: ProposeInput) -> DraftTree:
+        """Plain Python over the cached shape: at batch 64 with 60-node trees this is ~1 ms, not tens."""
         spec = inp.spec
         if spec.num_steps < 1 or spec.num_draft_tokens < 2:
             return DraftTree([], [])
@@ -310,21 +325,28 @@ class SyntheticProposer(Proposer):
         tokens = self._tokens[inp.seq_id]
         state = self._seq[inp.seq_id]
         length = len(tokens)
-        if state.full is not None and tokens != state.full[:length]:
-            state.full = None  # the target's tokens left the oracle's (e.g. numerics); wrong tokens from here
-            self.stats["diverged_seqs"] += 1
-        self.stats["proposals"] += 1
-        if state.full is not None:
-            self.stats["with_oracle"] += 1
-        out = []
-        for i, (depth, on_spine) in enumerate(zip(shape.depths, shape.spine)):
-            pos = length + depth
-            truth = state.full[pos] if state.full is not None and pos < len(state.full) else None
-            keep = on_spine and truth is not None and _mix(self.seed, state.key, pos) < self.accept_rate * 2.0**64
-            if keep:
-                out.append(truth)
+        full = state.full
+        if full is not None and state.checked < length:
+            if length > len(full) or tokens[state.checked:] != full[state.checked:length]:
+                # The target's tokens left the oracle's (numerics), or ran past it: wrong tokens from here.
+                self.stats["diverged_seqs" if length <= len(full) else "exhausted_seqs"] += 1
+                state.full = full = None
             else:
-                h = _mix(self.seed, state.key, pos, i + 1)
-                out.append(h % self.vocab_size if truth is None else (truth + 1 + h % (self.vocab_size - 1))
-                           % self.vocab_size)
+                state.checked = length
+        self.stats["proposals"] += 1
+        n = 0
+        if full is not None:
+            self.stats["with_oracle"] += 1
+            n = len(full)
+        vocab, key = self.vocab_size, state.key
+        truths = [full[length + d] if length + d < n else -1 for d in shape.depths]
+        out = [(t + 1 + (o + key) % (vocab - 1)) % vocab for t, o in zip(truths, shape.offsets)]  # never the truth
+        keep, rng, rate = state.keep, state.rng, self.accept_rate
+        for i in shape.spine_nodes:
+            pos = length + shape.depths[i]
+            if truths[i] >= 0:
+                while len(keep) <= pos:
+                    keep.append(rng.random() < rate)
+                if keep[pos]:
+                    out[i] = truths[i]
         return DraftTree(out, list(shape.parents))
