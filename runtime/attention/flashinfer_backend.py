@@ -32,7 +32,7 @@ import torch
 
 try:
     import flashinfer
-except ImportError as exc:  # the package, or one of its own dependencies
+except Exception as exc:  # missing package or one of its dependencies (nvidia-ml-py, requests, apache-tvm-ffi)
     raise ImportError("attention backend 'flashinfer' needs FlashInfer on a CUDA machine: pip install "
                       f"flashinfer-python (0.5.x); importing it failed: {exc}") from exc
 if not torch.cuda.is_available():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import subprocess
 import sys
 import types
 
@@ -32,6 +33,13 @@ def _flashinfer_usable() -> bool:
 
 
 needs_no_flashinfer = pytest.mark.skipif(_flashinfer_usable(), reason="flashinfer is usable on this machine")
+
+
+def test_flashinfer_is_registered_lazily():
+    code = ("import sys, runtime.attention, runtime.model_runner; "
+            "assert 'flashinfer' not in sys.modules and 'runtime.attention.flashinfer_backend' not in sys.modules; "
+            "from runtime.attention import _LAZY; assert 'flashinfer' in _LAZY")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @needs_no_flashinfer
