@@ -29,7 +29,7 @@ def test_speculative_bench_smoke_inprocess(tmp_path):
     assert set(rows) == {"AR", "chain 3/1/4"}
     for row in rows.values():
         for field in ("batch_size", "tau", "tau_expected", "tok_s", "speedup", "t_verify_ms", "t_draft_ms",
-                      "efficiency", "accept_rate", "tokens", "target_steps"):
+                      "efficiency", "accept_rate", "tokens", "target_steps", "verify_over_ar_step"):
             assert row[field] is not None, field
         assert row["batch_size"] == 2 and row["tok_s"] > 0 and row["t_verify_ms"] > 0
     chain = rows["chain 3/1/4"]
