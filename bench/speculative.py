@@ -175,7 +175,7 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
     backend = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
     engine_config = EngineConfig(device=str(device), dtype=args.dtype, load_format="dummy", attention_backend=backend,
                                  num_kv_blocks=blocks, cuda_graph_max_bs=max_bs,
-                                 cuda_graph_num_draft_tokens=configs[0].ndt if configs else None,
+                                 cuda_graph_num_draft_tokens=min(c.ndt for c in configs),
                                  disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
     runner = ModelRunner(None, engine_config, cfg)
     engine = TargetEngine(runner)

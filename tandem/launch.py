@@ -58,6 +58,13 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
     if args.speculative_draft_attention_backend:
         flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
+    if args.speculative_algorithm == "SYNTHETIC":  # synthetic acceptance, benchmarks only
+        flags += ["--synthetic-accept-rate", repr(args.synthetic_accept_rate),
+                  "--synthetic-draft-vocab", str(args.synthetic_draft_vocab)]
+        if args.synthetic_oracle:
+            flags += ["--synthetic-oracle", str(args.synthetic_oracle)]
+        if args.synthetic_head_hidden is not None:
+            flags += ["--synthetic-head-hidden", str(args.synthetic_head_hidden)]
     return flags
 
 

@@ -187,3 +187,16 @@ def test_oracle_file_is_reread_when_it_changes(tmp_path):
     proposer.prefill("b", [1, 2, 3])
     tree = proposer.propose([ProposeInput("b", 3, [], SpecShape(3, 1, 4))])[0].tree
     assert tree.token_ids == [4, 5, 6] and proposer.stats["unknown_seqs"] == 1
+
+
+def test_serve_passes_synthetic_flags_to_the_draft():
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    args = build_parser().parse_args(["serve", "--speculative-algorithm", "SYNTHETIC", "--synthetic-oracle", "o.json",
+                                      "--synthetic-accept-rate", "0.9", "--synthetic-head-hidden", "0"])
+    args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 8, 8, 60
+    draft = commands(args)["draft-0"]
+    for flag, value in (("--synthetic-oracle", "o.json"), ("--synthetic-accept-rate", "0.9"),
+                        ("--synthetic-head-hidden", "0"), ("--speculative-algorithm", "SYNTHETIC")):
+        assert draft[draft.index(flag) + 1] == value
