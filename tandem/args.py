@@ -68,7 +68,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=[*ALGORITHMS, None],
                    help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head) or "
-                        "NGRAM (n-gram trie); unset = plain decoding")
+                        "NGRAM (n-gram trie), SYNTHETIC (synthetic acceptance, benchmarks only: see "
+                        "--synthetic-*); unset = plain decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
                    default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
                                       "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 and EAGLE "
