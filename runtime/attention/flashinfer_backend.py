@@ -16,9 +16,10 @@ All wrappers use FlashInfer's FA2 kernels, so one JIT module serves every case.
 the page size, which only the layer call shows) or, for graph replays, in `load_graph_metadata`. CUDA graphs use one
 `use_cuda_graph=True` wrapper per (batch bucket, tokens per sequence) with its own fixed-size index buffers.
 
-FlashInfer 0.5.3 computes the byte offsets of a packed custom mask as bit offsets when the mask is passed already
-packed (`packed_custom_mask`); the kernel reads them as byte offsets. We pack on the host and write the correct
-byte offsets after `plan` (into our own buffer for graphs, into the wrapper's mask-indptr tensor for eager runs).
+The custom mask is built packed on the device from the hidden tail bits only (`pack_mask`). FlashInfer 0.5.3
+computes the byte offsets of an already packed mask (`packed_custom_mask`) as bit offsets; its kernel reads them as
+byte offsets. We write the correct byte offsets after `plan` (into our own buffer for graphs, into the wrapper's
+mask-indptr tensor for eager runs).
 """
 
 from __future__ import annotations
@@ -58,25 +59,26 @@ _INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer's wrappers allocate for themse
 
 @dataclass
 class _PageTables:
-    """FlashInfer's CSR description of one forward, host int32 arrays; mask only for masked plans."""
+    """FlashInfer's CSR description of one forward, host int32 arrays; the mask fields only for masked plans."""
 
     qo_indptr: np.ndarray  # (B+1,) query rows of each sequence
     kv_indptr: np.ndarray  # (B+1,) pages of each sequence in `indices`
     indices: np.ndarray  # (kv_indptr[-1],) page (= KV block) ids
     last_page_len: np.ndarray  # (B,) valid entries in each sequence's last page, 1..page_size
-    mask: np.ndarray | None = None  # packed little-endian bits, per sequence (T, kv_len) row-major
-    mask_indptr: np.ndarray | None = None  # (B+1,) byte offset of each sequence's mask
+    # Packed custom mask: sequence b's (T, kv_len) bits, row-major, little-endian, from byte mask_indptr[b] (the
+    # kernel reads bit q * kv_len + k there). All ones except the hidden tail bits, so only those travel: byte
+    # `clear_idx[i]` loses the bits `clear_val[i]` (`pack_mask` builds it on the device).
+    mask_indptr: np.ndarray | None = None  # (B+1,) int32
+    clear_idx: np.ndarray | None = None  # (M,) int64
+    clear_val: np.ndarray | None = None  # (M,) uint8
 
 
-def seq_mask(query_len: int, kv_len: int, prefix_len: int, tree_rows: list[int] | None) -> np.ndarray:
-    """(T, kv_len) uint8, 1 = may attend: the torch backend's `_dense_mask`, on the host."""
-    mask = np.ones((query_len, kv_len), dtype=np.uint8)
-    tail = kv_len - prefix_len
+def tail_mask(query_len: int, tail_len: int, tree_rows: list[int] | None) -> np.ndarray:
+    """(T, tail_len) uint8, 1 = visible: the tree rows, or the chain rule (query i sees tail[: tail - T + i + 1]).
+    The prefix before the tail is visible to every query (the torch backend's `_dense_mask`)."""
     if tree_rows is not None:
-        mask[:, prefix_len:] = tree_mask_rows(tree_rows, tail)
-    else:  # chain append: query i sees tail[: tail - T + i + 1]
-        mask[:, prefix_len:] = np.tri(query_len, tail, tail - query_len, dtype=np.uint8)
-    return mask
+        return tree_mask_rows(tree_rows, tail_len)
+    return np.tri(query_len, tail_len, tail_len - query_len, dtype=np.uint8)
 
 
 def page_tables(
@@ -88,8 +90,8 @@ def page_tables(
     qo = np.zeros(num_seqs + 1, dtype=np.int32)
     kv = np.zeros(num_seqs + 1, dtype=np.int32)
     last = np.ones(num_seqs, dtype=np.int32)
+    mask_bytes = np.zeros(num_seqs, dtype=np.int64)
     tables: list[list[int]] = []
-    packed: list[np.ndarray] = []
     for b, seq in enumerate(seqs):
         if seq.query_start != qo[b]:  # FlashInfer reads each sequence's rows from consecutive offsets
             raise ValueError(f"sequence queries must be contiguous and in order; got start {seq.query_start}")
@@ -102,22 +104,59 @@ def page_tables(
         qo[b + 1] = qo[b] + seq.query_len
         kv[b + 1] = kv[b] + pages
         last[b] = seq.kv_len - (pages - 1) * page_size
-        if masked:
-            mask = seq_mask(seq.query_len, seq.kv_len, seq.prefix_len, seq.tree_rows)
-            packed.append(np.packbits(mask.reshape(-1), bitorder="little"))
+        mask_bytes[b] = -(-seq.query_len * seq.kv_len // 8)
     for b in range(len(seqs), num_seqs):
         tables.append([0])
         qo[b + 1] = qo[b] + pad_query_len
         kv[b + 1] = kv[b] + 1
-        if masked:
-            packed.append(np.packbits(np.ones(pad_query_len, dtype=np.uint8), bitorder="little"))
+        mask_bytes[b] = -(-pad_query_len // 8)
     indices = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(kv[-1]))
     out = _PageTables(qo, kv, indices, last)
     if masked:
         out.mask_indptr = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum([p.size for p in packed], out=out.mask_indptr[1:])
-        out.mask = np.concatenate(packed)
+        np.cumsum(mask_bytes, out=out.mask_indptr[1:])
+        out.clear_idx, out.clear_val = _cleared_bits(seqs, out.mask_indptr)
     return out
+
+
+def _cleared_bits(seqs: list[SeqAttention], mask_indptr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(byte index, bits to clear) of every byte holding hidden tail bits. Work ~ (query rows x tail), not the
+    (query rows x kv_len) of the dense mask: long prefixes cost nothing."""
+    tails = [s for s in seqs if s.tail_len > 0]
+    if not tails:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+    width = max(s.tail_len for s in tails)
+    rows = sum(s.query_len for s in tails)
+    bits = np.ones((rows, width), dtype=np.uint8)  # past a row's tail: ones, i.e. leave the next bits alone
+    start = np.empty(rows, dtype=np.int64)  # global bit of each row's first tail bit
+    r = 0
+    for b, seq in enumerate(seqs):
+        if seq.tail_len == 0:
+            continue
+        t = seq.query_len
+        bits[r:r + t, :seq.tail_len] = tail_mask(t, seq.tail_len, seq.tree_rows)
+        start[r:r + t] = 8 * int(mask_indptr[b]) + np.arange(t) * seq.kv_len + seq.prefix_len
+        r += t
+    # Each row's tail in a byte-aligned window of ones, at the tail's bit offset within its first byte; packed.
+    shift = start & 7
+    window_bytes = (7 + width + 7) // 8
+    window = np.ones((rows, window_bytes * 8), dtype=np.uint8)
+    for offset in range(8):
+        sel = shift == offset
+        window[sel, offset:offset + width] = bits[sel]
+    cleared = 255 - np.packbits(window, axis=1, bitorder="little")  # (rows, window_bytes)
+    byte = (start >> 3)[:, None] + np.arange(window_bytes)[None, :]
+    keep = cleared != 0
+    return byte[keep], cleared[keep]
+
+
+def pack_mask(tables: _PageTables, device: torch.device) -> torch.Tensor:
+    """The packed custom mask on the device: all ones, minus the cleared bits. Rows of one sequence may share a byte;
+    their cleared bits are disjoint, so adding them per byte is their OR."""
+    cleared = torch.zeros(int(tables.mask_indptr[-1]), dtype=torch.uint8, device=device)
+    if tables.clear_idx.size:
+        cleared.index_add_(0, _to_device(tables.clear_idx, device), _to_device(tables.clear_val, device))
+    return 255 - cleared
 
 
 def split_kv_workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int, batch_size: int,
@@ -246,7 +285,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if kind in ("decode", "graph-decode"):
             wrapper.plan(_pinned(tables.kv_indptr), indices, _pinned(tables.last_page_len), *heads, **common)
         else:
-            mask = _to_device(tables.mask, device) if masked else None
+            mask = pack_mask(tables, device) if masked else None
             wrapper.plan(_pinned(tables.qo_indptr), _pinned(tables.kv_indptr), indices, _pinned(tables.last_page_len),
                          *heads, packed_custom_mask=mask, causal=not masked, **common)
             if masked:  # FlashInfer 0.5.3 wrote bit offsets; the kernel reads byte offsets (module docstring)
@@ -330,5 +369,7 @@ def _pinned(array: np.ndarray) -> torch.Tensor:
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":  # host-side checks of the metadata (tests)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
     # Pinned source + non_blocking: queued on the stream, no host wait.
     return _pinned(array).to(device, non_blocking=True)
