@@ -68,6 +68,25 @@ def _path(parents: list[int], node: int) -> list[int]:
     return path
 
 
+def test_packed_mask_on_the_gpu_equals_the_host_layout():
+    """pack_mask (index_add_ of cleared bits on the device) gives the bytes the CPU test checks bit by bit."""
+    from runtime.attention.flashinfer_backend import pack_mask, page_tables
+    from runtime.forward_batch import SeqAttention
+
+    rng = random.Random(2)
+    seqs, start = [], 0
+    for i in range(6):
+        t, prefix = rng.randrange(1, 65), rng.randrange(0, 4000)
+        tail = t + rng.randrange(0, 8)
+        rows = [rng.getrandbits(tail) | (1 << (tail - t + j)) for j in range(t)]
+        seqs.append(SeqAttention(start, t, prefix + tail, prefix, list(range(-(-(prefix + tail) // 16))), 16,
+                                 torch.device("cuda"), tree_rows=rows))
+        start += t
+    tables = page_tables(seqs, 16, masked=True, num_pad=2, pad_query_len=5)
+    torch.testing.assert_close(pack_mask(tables, torch.device("cuda")).cpu(), pack_mask(tables, torch.device("cpu")),
+                               rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def eager():
     runners = [_runner("torch"), _runner("flashinfer")]
