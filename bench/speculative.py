@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
               "configs": [dataclasses.asdict(c) for c in configs], "batch_sizes": args.batch_sizes}
+    print(LABEL, flush=True)
     if args.mode == "inprocess":
         result["rows"] = bench_inprocess(args, cfg, device, configs)
     else:
