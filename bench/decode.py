@@ -63,12 +63,13 @@ def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 
 def decode_steps(runner: ModelRunner, seqs: list[str], next_ids: list[int], steps: int) -> tuple[float, list[int]]:
-    """Seconds for `steps` greedy decode steps of all sequences (host readback included)."""
+    """Seconds for `steps` greedy decode steps of all sequences (host readback included): the engine's greedy path,
+    lm_head and argmax on device (inside the graph when one runs), one small readback per step."""
     sync(runner.device)
     start = time.perf_counter()
     for _ in range(steps):
-        out = runner.forward([SeqForward(s, [t]) for s, t in zip(seqs, next_ids)])
-        next_ids = torch.stack([row[-1] for row in out.logits]).argmax(-1).tolist()
+        out = runner.forward([SeqForward(s, [t]) for s, t in zip(seqs, next_ids)], outputs="argmax")
+        next_ids = [row[-1] for row in out.argmax]
     sync(runner.device)
     return time.perf_counter() - start, next_ids
 
@@ -118,7 +119,8 @@ def bench_ours(cfg: ModelConfig, args, device: torch.device) -> dict:
 
 
 def replay_ms(runner: ModelRunner, key: tuple[int, int], num: int) -> float | None:
-    """Milliseconds per replay of one captured graph with the inputs of the last step (rewrites those KV slots)."""
+    """Milliseconds per replay of one captured graph with the inputs of the last step (rewrites those KV slots); the
+    graph holds the forward, lm_head over every row and the argmax."""
     entry = runner.graph_runner.graphs.get(key)
     if entry is None:
         return None
@@ -141,8 +143,7 @@ def verify_cost(runner: ModelRunner, seq: str, args, cfg: ModelConfig, rng: rand
                              ("decode_ms", SeqForward(seq, [rng.randrange(cfg.vocab_size)]))):
             sync(runner.device)
             start = time.perf_counter()
-            out = runner.forward([forward])
-            out.logits[0].argmax(-1).tolist()
+            runner.forward([forward], outputs="argmax")  # greedy: argmax rows read back
             elapsed = time.perf_counter() - start
             runner.truncate(seq, args.prompt_len)
             if i >= args.warmup_steps:

@@ -151,7 +151,12 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     cuda_graph_num_draft_tokens: int | None = None  # the verify width to capture (root included); None = decode only
-    enable_torch_compile: bool = False  # accepted for SGLang parity; a documented no-op (see ModelRunner)
+    cuda_graph_max_bs_decode: int | None = None  # largest decode (1 token per sequence) batch captured; None = max_bs
+    # Tree-tail width the wide graphs accept; None = cuda_graph_num_draft_tokens. A draft's tree steps (topk tokens
+    # per sequence) attend to all earlier steps' nodes: num_steps * topk.
+    cuda_graph_mask_width: int | None = None
+    # torch.compile the forward captured by the graphs of <= torch_compile_max_bs sequences (see CudaGraphRunner)
+    enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
 
     def __post_init__(self) -> None:
@@ -173,6 +178,10 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_num_draft_tokens is not None and self.cuda_graph_num_draft_tokens <= 0:
             raise ValueError(f"cuda_graph_num_draft_tokens must be positive, got {self.cuda_graph_num_draft_tokens}")
+        if self.cuda_graph_max_bs_decode is not None and self.cuda_graph_max_bs_decode < 0:
+            raise ValueError(f"cuda_graph_max_bs_decode must be >= 0, got {self.cuda_graph_max_bs_decode}")
+        if self.cuda_graph_mask_width is not None and self.cuda_graph_mask_width <= 0:
+            raise ValueError(f"cuda_graph_mask_width must be positive, got {self.cuda_graph_mask_width}")
         if self.torch_compile_max_bs <= 0:
             raise ValueError(f"torch_compile_max_bs must be positive, got {self.torch_compile_max_bs}")
 

@@ -1,15 +1,18 @@
 """CUDA graphs of the model forward for decode-shaped (1 new token per sequence) and verify-shaped (num_draft_tokens
-per sequence) batches: one graph per (batch-size bucket, tokens per sequence), captured once at start-up and
-replayed with new contents in static buffers.
+per sequence; for a draft, its tree steps of topk) batches: one graph per (batch-size bucket, tokens per sequence),
+captured once at start-up and replayed with new contents in static buffers. Each graph holds the forward, lm_head
+over every row and the argmax, so a greedy step reads back only the argmax rows; EAGLE heads' input features and
+the target's aux hidden states (feature capture) are static buffers too.
 
 A batch of B sequences runs in the smallest captured bucket >= B; the extra sequences are padding that reads
 block 0 and writes no KV (slot -1), and every op of the forward is row-independent, so padding can never change a
 real row. Owns the static input buffers and the graphs; the attention backend owns the static metadata buffers.
-Knows nothing about sequences' state: the ModelRunner decides what to run and reads the hidden states back.
+Knows nothing about sequences' state: the ModelRunner decides what to run and reads the outputs back.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -22,6 +25,9 @@ if TYPE_CHECKING:
     from runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+# torch.compile backend of the graphs' forwards under --enable-torch-compile; CPU tests use "eager" (dynamo's
+# tracing and guards without inductor's toolchain).
+COMPILE_BACKEND = "inductor"
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -39,39 +45,96 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= num_seqs), None)
 
 
+class GraphOutputs:
+    """The static outputs of one captured graph, valid until the next replay: the final hidden states, the logits
+    and greedy tokens of every row (lm_head and argmax run inside the graph), and the aux hidden states when the
+    graph was captured with capture layers."""
+
+    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor, aux: torch.Tensor | None):
+        self.hidden = hidden  # (padded N, H)
+        self.logits = logits  # (padded N, vocab) float32
+        self.argmax = argmax  # (padded N,) int64
+        self.aux = aux  # (padded N, len(capture_layers) * H) or None
+
+
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int, num_draft_tokens: int | None) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_bs: int, num_draft_tokens: int | None, max_bs_decode: int | None = None,
+        mask_width: int | None = None, capture_layers: list[int] | None = None, compile_max_bs: int = 0,
+    ) -> None:
+        """max_bs: largest batch of the wide (num_draft_tokens per sequence) graphs; max_bs_decode: of the decode
+        graphs (None = max_bs). mask_width: tree-tail width the wide graphs accept (None = num_draft_tokens; a
+        draft's tree steps need num_steps * topk). capture_layers: aux hidden states every graph also returns.
+        compile_max_bs > 0: graphs of at most that many sequences capture a torch.compile'd forward (compiled by
+        their warm-up, before the capture); larger ones the eager forward."""
         self.runner = runner
-        self.batch_sizes = capture_batch_sizes(max_bs)
-        self.max_bs = self.batch_sizes[-1]
+        self.compile_max_bs = compile_max_bs
+        self.compiled = _compile(runner) if compile_max_bs > 0 else None
         self.query_lens = sorted({1, num_draft_tokens or 1})
+        decode_bs = capture_batch_sizes(max_bs if max_bs_decode is None else max_bs_decode)
+        wide_bs = capture_batch_sizes(max_bs)
+        self.sizes = {q: decode_bs if q == 1 else wide_bs for q in self.query_lens}
+        self.query_lens = [q for q in self.query_lens if self.sizes[q]]
+        self.batch_sizes = sorted({s for q in self.query_lens for s in self.sizes[q]})
+        self.max_bs = self.batch_sizes[-1]
+        self.capture_layers = list(capture_layers) if capture_layers else None
         max_query_len = self.query_lens[-1]
         cfg, bm = runner.model_config, runner.block_manager
         self.block_size = bm.block_size
+        backend = runner.attn_backend
+        width = max(max_query_len, mask_width or 0)
+        if width > max_query_len and "mask_width" not in inspect.signature(backend.init_graph_buffers).parameters:
+            width = max_query_len  # this backend's graphs take tails up to the query length only
         # Block-table width of the graphs: the longest context a sequence can reach, bounded by the pool.
-        max_context = min(cfg.max_position_embeddings + max_query_len, bm.num_blocks * bm.block_size)
+        max_context = min(cfg.max_position_embeddings + width, bm.num_blocks * bm.block_size)
         self.max_blocks = -(-max_context // bm.block_size)
         device = runner.device
-        max_tokens = self.max_bs * max_query_len
+        max_tokens = max(s * q for q in self.query_lens for s in self.sizes[q])
         # Rows: input ids, positions, KV slots, logits rows; one host->device copy fills them all.
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)
-        runner.attn_backend.init_graph_buffers(self.max_bs, max_query_len, self.max_blocks, device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Feature-based draft heads (EAGLE) take a per-token input feature: a static buffer of it.
+        self.features = None
+        if getattr(runner.model, "feature_size", None) is not None:
+            self.features = torch.zeros(max_tokens, cfg.hidden_size, dtype=runner.dtype, device=device)
+        extra = {"mask_width": width} if width > max_query_len else {}
+        backend.init_graph_buffers(self.max_bs, max_query_len, self.max_blocks, device, **extra)
+        # Tree-tail width each graph accepts: the wide mask in every graph, else its own query length.
+        self.mask_widths = {q: width if extra else q for q in self.query_lens}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.pool = None
 
     # ---- capture -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.runner.device)[0]
+        on_cuda = self.runner.device.type == "cuda"
+        free_before = torch.cuda.mem_get_info(self.runner.device)[0] if on_cuda else 0
         # Largest first: later (smaller) graphs reuse the shared pool's blocks.
         for query_len in reversed(self.query_lens):
-            for num_seqs in reversed(self.batch_sizes):
+            for num_seqs in reversed(self.sizes[query_len]):
                 self._capture_one(num_seqs, query_len)
-        torch.cuda.synchronize(self.runner.device)
-        used = free_before - torch.cuda.mem_get_info(self.runner.device)[0]
+        if on_cuda:
+            torch.cuda.synchronize(self.runner.device)
+        used = free_before - torch.cuda.mem_get_info(self.runner.device)[0] if on_cuda else 0
         logger.info("captured %d CUDA graphs (batch sizes %s x tokens per sequence %s) in %.1f s, %.2f GiB",
                     len(self.graphs), self.batch_sizes, self.query_lens, time.perf_counter() - start, used / (1 << 30))
+
+    def release(self) -> None:
+        """Drop every graph and its memory pool (before capturing a new set)."""
+        self.graphs.clear()
+        self.pool = None
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.empty_cache()
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, num_seqs: int, num_tokens: int) -> GraphOutputs:
+        """The captured computation: the forward, lm_head over every row and its argmax."""
+        runner = self.runner
+        extra = {} if self.features is None else {"input_features": self.features[:num_tokens]}
+        model = self.compiled if self.compiled is not None and num_seqs <= self.compile_max_bs else runner.model
+        out = model(ids, positions, runner.attn_backend, runner.kv_pool, self.capture_layers, **extra)
+        logits = runner.model.compute_logits(out.hidden)  # (N, vocab) float32
+        return GraphOutputs(out.hidden, logits, logits.argmax(dim=-1), out.aux_hidden)
 
     def _capture_one(self, num_seqs: int, query_len: int) -> None:
         runner = self.runner
@@ -80,15 +143,21 @@ class CudaGraphRunner:
         self.inputs[2, :num_tokens] = -1  # padding writes no KV
         ids, positions, slots = self.inputs[0, :num_tokens], self.inputs[1, :num_tokens], self.inputs[2, :num_tokens]
         runner.attn_backend.load_graph_metadata(None, num_seqs, query_len, slots)
-        for _ in range(2):  # warm-up: Triton compiles and cuBLAS picks its kernels outside the capture
-            runner.model(ids, positions, runner.attn_backend, runner.kv_pool)
-        torch.cuda.synchronize(runner.device)
+        # Warm-up: torch.compile and Triton compile, cuBLAS picks its kernels, all outside the capture.
+        for _ in range(2):
+            self._run(ids, positions, num_seqs, num_tokens)
+        self.graphs[(num_seqs, query_len)] = self._capture_graph(
+            lambda: self._run(ids, positions, num_seqs, num_tokens))
+
+    def _capture_graph(self, run) -> tuple[torch.cuda.CUDAGraph, GraphOutputs]:
+        """Capture `run` into a graph sharing this runner's memory pool (CPU tests override this with a fake)."""
+        torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = runner.model(ids, positions, runner.attn_backend, runner.kv_pool).hidden  # (num_tokens, H)
+            outputs = run()
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[(num_seqs, query_len)] = (graph, hidden)
+        return graph, outputs
 
     # ---- replay ------------------------------------------------------------------------------------------------
     def key_for(self, seqs: list[SeqAttention]) -> tuple[int, int] | None:
@@ -101,9 +170,9 @@ class CudaGraphRunner:
         for seq in seqs:
             if seq.query_len != query_len or len(seq.block_table) > self.max_blocks:
                 return None
-            if seq.tree_rows is not None and seq.tail_len > query_len:
+            if seq.tree_rows is not None and seq.tail_len > self.mask_widths[query_len]:
                 return None
-        num_seqs = bucket_for(len(seqs), self.batch_sizes)
+        num_seqs = bucket_for(len(seqs), self.sizes[query_len])
         return None if num_seqs is None else (num_seqs, query_len)
 
     def load_inputs(
@@ -120,15 +189,33 @@ class CudaGraphRunner:
         host[1, :len(positions)] = torch.tensor(positions)
         host[2] = torch.tensor(slot_mapping + [-1] * pad)
         host[3, :len(logits_indices)] = torch.tensor(logits_indices, dtype=torch.int64)
-        self.inputs[:, :num_tokens].copy_(host.pin_memory(), non_blocking=True)
+        on_cuda = self.inputs.device.type == "cuda"
+        self.inputs[:, :num_tokens].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
         return (self.inputs[0, :num_tokens], self.inputs[1, :num_tokens], self.inputs[2, :num_tokens],
                 self.inputs[3, :len(logits_indices)])
 
-    def replay(self, key: tuple[int, int], batch: ForwardBatch) -> torch.Tensor:
-        """Fill the backend's static metadata from the batch and replay; returns the static (padded N, H) hidden
-        states, valid until the next replay."""
+    def replay(self, key: tuple[int, int], batch: ForwardBatch, features: torch.Tensor | None = None) -> GraphOutputs:
+        """Fill the backend's static metadata (and the input features of a feature-based head: (N, H)) from the
+        batch and replay; returns the graph's static outputs, valid until the next replay."""
         num_seqs, query_len = key
-        graph, hidden = self.graphs[key]
+        graph, outputs = self.graphs[key]
+        if self.features is not None:
+            if features is None:
+                raise ValueError("this graph runs a feature-based head: input_features are required")
+            n = features.shape[0]
+            self.features[:n].copy_(features, non_blocking=self.features.device.type == "cuda")
+            self.features[n:num_seqs * query_len].zero_()  # padding rows: finite, never read back
         self.runner.attn_backend.load_graph_metadata(batch, num_seqs, query_len, batch.slot_mapping)
         graph.replay()
-        return hidden
+        return outputs
+
+
+def _compile(runner: ModelRunner):
+    """torch.compile of the runner's model. The attention backend launches its own kernels from host-built metadata:
+    it runs as it is between the compiled regions (a graph break per layer), never traced."""
+    backend = runner.attn_backend
+    if not getattr(backend.forward, "_tandem_not_compiled", False):
+        forward = torch.compiler.disable(backend.forward)
+        forward._tandem_not_compiled = True
+        backend.forward = forward  # an instance attribute: this backend object only
+    return torch.compile(runner.model, backend=COMPILE_BACKEND)

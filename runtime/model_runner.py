@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LOGITS_MODES = ("last", "all", "none")
+OUTPUTS = ("logits", "argmax", "both")
 # Tokens of the warm-up prefill whose activation peak memory profiling keeps free (longer prompts may not fit).
 _WARMUP_PREFILL_TOKENS = 4096
 
@@ -54,6 +55,9 @@ class ForwardOutput:
     hidden: list[torch.Tensor | None]  # per SeqForward: (num_logit_rows, H) when capture_hidden, else None
     # per SeqForward, only when forward(capture_layers=...): (T, len(capture_layers) * H), all T tokens
     aux_hidden: list[torch.Tensor | None] = field(default_factory=list)
+    # per SeqForward, only when forward(outputs="argmax" | "both"): the argmax token of each logits row, read back
+    # to the host in one copy for the whole batch (inside a CUDA graph the argmax is part of the graph)
+    argmax: list[list[int]] | None = None
 
 
 class UnknownSeq(KeyError):
@@ -120,22 +124,41 @@ class ModelRunner:
         if self.tp is not None:  # every rank's block manager must make the same decisions: the smallest pool wins
             num_blocks = self.tp.min_int(num_blocks)
         self._init_kv(num_blocks)
-        # Graphs need the static-buffer backend and the plain LM forward (heads passed in take extra inputs).
-        if (self.device.type == "cuda" and not engine_config.disable_cuda_graph and engine_config.cuda_graph_max_bs > 0
-                and model is None and self.tp is None and hasattr(self.attn_backend, "init_graph_buffers")):
-            from runtime.cuda_graph import CudaGraphRunner
-
-            self.graph_runner = CudaGraphRunner(self, engine_config.cuda_graph_max_bs,
-                                                engine_config.cuda_graph_num_draft_tokens)
-            self.graph_runner.capture()
-            self.use_cuda_graph = True
-        if engine_config.enable_torch_compile:
-            # SGLang's EAGLE draft graph runner compiles no batch size either (compile_bs=[]); CUDA graphs already
-            # remove the launch overhead torch.compile would mostly save here.
-            logger.warning("--enable-torch-compile is accepted but not applied: the forward runs under CUDA graphs "
-                           "(draft and target) without torch.compile")
+        # Graphs need the static-buffer backend and a forward they know the inputs of: the plain LM, or a feature
+        # head (EAGLE: `feature_size`) whose per-token features get a static buffer too.
+        if (self.device.type == "cuda" and not engine_config.disable_cuda_graph and self.tp is None
+                and max(engine_config.cuda_graph_max_bs, engine_config.cuda_graph_max_bs_decode or 0) > 0
+                and (model is None or getattr(model, "feature_size", None) is not None)
+                and hasattr(self.attn_backend, "init_graph_buffers")):
+            self._capture_graphs(None)
+        if engine_config.enable_torch_compile and self.graph_runner is None:
+            # Compilation rides on graph capture (the compiled forward is what the graphs of <= torch_compile_max_bs
+            # sequences capture); eager forwards are never compiled.
+            logger.warning("--enable-torch-compile has no effect without CUDA graphs (CPU, TP, a backend without "
+                           "graph buffers, or --disable-cuda-graph)")
         if self.tp is not None and self.tp.is_driver:
             self._mirror = StepMirror(self.tp)
+
+    def _capture_graphs(self, capture_layers: list[int] | None) -> None:
+        from runtime.cuda_graph import CudaGraphRunner
+
+        ec = self.engine_config
+        cls = CudaGraphRunner
+        if self.graph_runner is not None:  # a recapture keeps the kind of runner (CPU tests install a fake one)
+            cls = type(self.graph_runner)
+            self.graph_runner.release()
+        self.graph_runner = cls(self, ec.cuda_graph_max_bs, ec.cuda_graph_num_draft_tokens,
+                                ec.cuda_graph_max_bs_decode, ec.cuda_graph_mask_width, capture_layers,
+                                ec.torch_compile_max_bs if ec.enable_torch_compile else 0)
+        self.graph_runner.capture()
+        self.use_cuda_graph = True
+
+    def set_graph_capture_layers(self, capture_layers: list[int] | None) -> None:
+        """Recapture the CUDA graphs so that they also return these layers' aux hidden states (feature capture for
+        EAGLE drafts then replays graphs too). Forwards asking for other layers run eager. No-op without graphs."""
+        if self.graph_runner is None or self.graph_runner.capture_layers == (list(capture_layers or []) or None):
+            return
+        self._capture_graphs(capture_layers)
 
     def _init_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
@@ -242,18 +265,24 @@ class ModelRunner:
         batch: list[SeqForward],
         capture_layers: list[int] | None = None,
         mode: ForwardMode | None = None,
+        outputs: str = "logits",
     ) -> ForwardOutput:
         """One model forward over all sequences' new tokens. Validates everything and reserves KV before any state
         changes, so a raised error (ValueError, UnknownSeq, OutOfKVBlocks, OutOfDeviceMemory) leaves every sequence
         as it was. On CUDA, batches whose sequences all add the same number of tokens (decode, verify) replay a
-        captured graph when one fits; everything else runs eager."""
+        captured graph when one fits (lm_head and argmax inside it); everything else runs eager.
+
+        outputs: "logits" (per-row float32 logits), "argmax" (only the greedy token of each row, in one small
+        readback: no logits copied out), or "both"."""
+        if outputs not in OUTPUTS:
+            raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
         self._validate(batch)
         kv_lens = {sf.seq_id: self._seqs[sf.seq_id].kv_len for sf in batch}
         self._reserve_kv(batch)
         if self._mirror is not None:  # validated and reserved here, so the other ranks accept it too
             self._mirror.forward(batch, capture_layers, mode)
         try:
-            fb, new_regions, out, rows_hidden, logits = self._run_model(batch, capture_layers, mode)
+            fb, new_regions, aux, rows_hidden, logits, argmax = self._run_model(batch, capture_layers, mode, outputs)
         except torch.cuda.OutOfMemoryError as exc:
             for seq_id, kv_len in kv_lens.items():  # give back the blocks reserved for this forward
                 self.block_manager.truncate(seq_id, kv_len)
@@ -263,15 +292,20 @@ class ModelRunner:
                 f"a forward of {len(batch)} sequences / {num_tokens} tokens does not fit in device memory; lower "
                 f"--mem-fraction-static, the batch or the tree size ({exc})") from None
         result = ForwardOutput(logits=[], hidden=[], aux_hidden=[])
+        host_argmax = argmax.tolist() if argmax is not None else None  # the one readback of a greedy step
+        if host_argmax is not None:
+            result.argmax = []
         row = 0
         for sf, seq, n in zip(batch, fb.seqs, fb.num_logit_rows):
             if logits is None:
                 result.logits.append(torch.empty(0, self.model_config.vocab_size, device=self.device))
             else:
                 result.logits.append(logits[row : row + n])
+            if host_argmax is not None:
+                result.argmax.append(host_argmax[row : row + n])
             result.hidden.append(rows_hidden[row : row + n] if sf.capture_hidden else None)
             tokens = slice(seq.query_start, seq.query_start + seq.query_len)
-            result.aux_hidden.append(out.aux_hidden[tokens] if out is not None and out.aux_hidden is not None else None)
+            result.aux_hidden.append(aux[tokens] if aux is not None else None)
             row += n
         # Commit state only after the forward succeeded.
         for sf in batch:
@@ -283,24 +317,39 @@ class ModelRunner:
         return result
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
-    def _run_model(self, batch: list[SeqForward], capture_layers: list[int] | None, mode: ForwardMode | None):
-        """(forward batch, new regions, model output or None when a graph ran, logits-row hidden, logits or None)."""
-        # Graphs return only the final hidden states: aux captures and feature inputs run eager.
-        allow_graph = capture_layers is None and batch[0].input_features is None
+    def _run_model(
+        self, batch: list[SeqForward], capture_layers: list[int] | None, mode: ForwardMode | None, outputs: str
+    ):
+        """(forward batch, new regions, aux hidden (N, .) or None, logits-row hidden, logits or None, argmax (rows,)
+        device tensor or None). Everything returned is a copy, safe from the next graph replay."""
+        features = batch[0].input_features is not None  # _validate made it all-or-none
+        gr = self.graph_runner
+        # A graph returns the aux states of the layers it was captured with (a forward without capture ignores them)
+        # and takes input features exactly when it runs a feature head.
+        allow_graph = gr is not None and (capture_layers is None or list(capture_layers) == gr.capture_layers) and (
+            features == (gr.features is not None))
         fb, new_regions, graph_key = self._build_forward_batch(batch, mode, allow_graph)
-        out = None
+        want_logits, want_argmax = outputs != "argmax", outputs != "logits"
+        rows = fb.logits_indices
+        extra = {}
+        if features:
+            extra["input_features"] = torch.cat([sf.input_features for sf in batch]).to(self.device)  # (N, F)
         if graph_key is not None:
-            hidden = self.graph_runner.replay(graph_key, fb)  # (padded N, H), overwritten by the next replay
-        else:
-            self.attn_backend.init_forward_metadata(fb)
-            extra = {}
-            if batch[0].input_features is not None:  # _validate made it all-or-none
-                extra["input_features"] = torch.cat([sf.input_features for sf in batch]).to(self.device)  # (N, F)
-            out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
-            hidden = out.hidden
-        rows_hidden = hidden[fb.logits_indices]  # (num_logit_rows, H): a copy, safe from the next replay
-        logits = self.model.compute_logits(rows_hidden) if rows_hidden.shape[0] else None
-        return fb, new_regions, out, rows_hidden, logits
+            g = gr.replay(graph_key, fb, extra.get("input_features"))  # static outputs, overwritten by the next replay
+            n = sum(seq.query_len for seq in fb.seqs)  # real rows; padding follows
+            aux = g.aux[:n].clone() if capture_layers and g.aux is not None else None
+            rows_hidden = g.hidden[rows]  # (num_logit_rows, H): gathers copy
+            logits = g.logits[rows] if want_logits and rows.shape[0] else None
+            argmax = g.argmax[rows] if want_argmax else None
+            return fb, new_regions, aux, rows_hidden, logits, argmax
+        self.attn_backend.init_forward_metadata(fb)
+        out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
+        rows_hidden = out.hidden[rows]  # (num_logit_rows, H)
+        all_logits = self.model.compute_logits(rows_hidden) if rows_hidden.shape[0] else None
+        argmax = None
+        if want_argmax:
+            argmax = all_logits.argmax(dim=-1) if all_logits is not None else rows.new_empty(0)
+        return fb, new_regions, out.aux_hidden, rows_hidden, all_logits if want_logits else None, argmax
 
     def _state(self, seq_id: str) -> _SeqState:
         try:

@@ -40,11 +40,15 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
                         "target and draft services on one GPU fractions that sum below 1")
     p.add_argument("--cuda-graph-max-bs", type=int, default=64,
                    help="largest batch captured in CUDA graphs (decode and verify); bigger batches run eager")
+    p.add_argument("--cuda-graph-max-bs-decode", type=int, default=None,
+                   help="largest decode batch (1 token per sequence) captured in CUDA graphs; default "
+                        "--cuda-graph-max-bs")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly (no CUDA graphs)")
     p.add_argument("--enable-torch-compile", action="store_true",
-                   help="accepted for SGLang compatibility; a no-op with a warning (forwards already run in CUDA graphs)")
+                   help="torch.compile the forward that CUDA graphs of <= --torch-compile-max-bs sequences capture "
+                        "(compiled at start-up, before capture; eager forwards are not compiled)")
     p.add_argument("--torch-compile-max-bs", type=int, default=32,
-                   help="largest batch torch.compile would cover (no-op, see --enable-torch-compile)")
+                   help="largest batch whose CUDA graphs capture the torch.compile'd forward")
 
 
 def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = False) -> None:

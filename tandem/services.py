@@ -25,11 +25,16 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
                   attention_backend=args.attention_backend, block_size=args.kv_block_size, seed=args.random_seed,
                   mem_fraction_static=getattr(args, "mem_fraction_static", None),
                   cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", 64),
+                  cuda_graph_max_bs_decode=getattr(args, "cuda_graph_max_bs_decode", None),
                   disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
                   enable_torch_compile=getattr(args, "enable_torch_compile", False),
                   torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32))
     if draft and getattr(args, "speculative_draft_attention_backend", None):
         kwargs["attention_backend"] = args.speculative_draft_attention_backend
+    steps, topk = getattr(args, "speculative_num_steps", None), getattr(args, "speculative_eagle_topk", None)
+    if draft and steps and topk:  # the draft's tree steps: topk tokens per sequence over tails up to steps * topk
+        kwargs["cuda_graph_num_draft_tokens"] = topk if topk > 1 else None
+        kwargs["cuda_graph_mask_width"] = steps * topk
     if target:  # the verify width the target's graphs are captured for
         kwargs["cuda_graph_num_draft_tokens"] = getattr(args, "speculative_num_draft_tokens", None)
     if args.max_total_tokens:

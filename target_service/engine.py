@@ -100,6 +100,8 @@ class TargetEngine:
         self.max_context_len = runner.model_config.max_position_embeddings
         self._seqs: dict[str, _Seq] = {}
         self.last_forward_ms = 0.0
+        if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
+            runner.set_graph_capture_layers(self._capture)
 
     # ---------------------------------------------------------------- lifecycle
     def prefill(self, inputs: list[PrefillInput]) -> list[StepOutput]:
@@ -127,7 +129,8 @@ class TargetEngine:
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
-        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs))
+        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
+                                         self._all_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if inp.return_features:
@@ -167,7 +170,8 @@ class TargetEngine:
             depths = [0] + [d + 1 for d in inp.tree.depths()]
             forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
                                              positions=[kv_len + d for d in depths], parents=parents, logits="all")))
-        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs))
+        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
+                                         self._all_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if rows is None:
@@ -221,14 +225,20 @@ class TargetEngine:
             self.runner.truncate(inp.seq_id, inp.committed_len - 1)
         return seq.token_ids[-1] == inp.root_token_id
 
-    def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False):
-        """(logits per forward, features per forward or None)."""
+    @staticmethod
+    def _all_greedy(inputs) -> bool:
+        return all(inp.sampling.is_greedy for inp in inputs)
+
+    def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False,
+                 greedy: bool = False):
+        """(rows per forward, features per forward or None). rows: logits (rows, vocab), or when greedy (every
+        sequence of the batch greedy) the host list of each row's argmax: no logits leave the device."""
         if not forwards:
             return [], []
         capture = self._capture if features and self._capture else None
         start = time.perf_counter()
         try:
-            result = self.runner.forward(forwards, capture_layers=capture)
+            result = self.runner.forward(forwards, capture_layers=capture, outputs="argmax" if greedy else "logits")
         except OutOfKVBlocks as exc:  # the pre-check should make this unreachable; fail the batch cleanly
             by_id = {o.seq_id: o for o in outputs}
             for f in forwards:
@@ -239,17 +249,23 @@ class TargetEngine:
         feats = list(result.aux_hidden) if capture else [None] * len(forwards)
         if capture and self._final_norm:
             feats = [self.runner.model.norm(f) if f is not None else None for f in feats]
-        return list(result.logits), feats
+        return list(result.argmax if greedy else result.logits), feats
 
-    def _sample_rows(self, rows: torch.Tensor, seq: _Seq) -> list[int]:
-        """Sample one token per logits row with exactly the processing used in verification."""
+    def _sample_rows(self, rows: torch.Tensor | list[int], seq: _Seq) -> list[int]:
+        """Sample one token per logits row with exactly the processing used in verification (rows: logits, or the
+        argmax tokens already taken on device)."""
+        if isinstance(rows, list):
+            return rows
         if seq.sampling.is_greedy:
             return rows.argmax(dim=-1).tolist()
         probs = process_logits(rows.float(), seq.sampling)  # (rows, vocab)
         return torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1).tolist()
 
-    def _accept(self, tree: DraftTree, rows: torch.Tensor, seq: _Seq):
-        # rows: (num_nodes + 1, vocab); row 0 predicts the token after the root, row i+1 the token after node i.
+    def _accept(self, tree: DraftTree, rows: torch.Tensor | list[int], seq: _Seq):
+        # rows: (num_nodes + 1, vocab) logits or the (num_nodes + 1) argmax tokens; row 0 predicts the token after the
+        # root, row i+1 the token after node i.
+        if isinstance(rows, list):  # greedy batch: the walk over the argmax the device already took (no sync)
+            return verify_greedy(tree, rows)
         if seq.sampling.is_greedy:
             return verify_greedy(tree, rows.argmax(dim=-1))
         return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)

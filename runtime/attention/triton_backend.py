@@ -59,6 +59,7 @@ class _GraphBuffers:
 @register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
     _graph: _GraphBuffers | None = None
+    _graph_mask_width: int | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.slot_mapping.device
@@ -83,12 +84,17 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     # ---- CUDA graph support ----------------------------------------------------------------------------------------
-    def init_graph_buffers(self, max_bs: int, max_query_len: int, max_blocks: int, device: torch.device) -> None:
-        """Allocate the static metadata buffers every captured graph reads."""
+    def init_graph_buffers(
+        self, max_bs: int, max_query_len: int, max_blocks: int, device: torch.device, mask_width: int | None = None
+    ) -> None:
+        """Allocate the static metadata buffers every captured graph reads. mask_width: tree tails wider than the
+        query (a draft's tree steps attend to every earlier step's nodes); then every graph gets that width."""
+        self._graph_mask_width = mask_width
         self._graph = _GraphBuffers(
             block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device),
             seq_info=torch.zeros(4, max_bs + 1, dtype=torch.int32, device=device),
-            tree_mask=torch.zeros(max_bs * max_query_len, max_query_len, dtype=torch.uint8, device=device),
+            tree_mask=torch.zeros(max_bs * max_query_len, max(max_query_len, mask_width or 0), dtype=torch.uint8,
+                                  device=device),
         )
 
     def graph_max_blocks(self) -> int:
@@ -124,7 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
             prefix_lens=g.seq_info[_PREFIX_LEN, :num_seqs],
             max_query_len=query_len,
             # Always present in graphs: a captured graph cannot switch kernels when a tree shows up.
-            tree_mask=g.tree_mask[:num_tokens, :query_len],
+            tree_mask=g.tree_mask[:num_tokens, :self._graph_mask_width or query_len],
             use_tree=g.seq_info[_USE_TREE, :num_seqs],
             num_splits=default_num_splits(num_seqs * self.num_kv_heads * tiles, device),
         )

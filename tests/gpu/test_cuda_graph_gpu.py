@@ -51,9 +51,9 @@ def _all(runners, batch, expect_graph: bool):
     replays = {key: 0 for key in graph_runner.graphs}
     original = graph_runner.replay
 
-    def counting(key, fb):
+    def counting(key, fb, *args, **kwargs):
         replays[key] += 1
-        return original(key, fb)
+        return original(key, fb, *args, **kwargs)
 
     graph_runner.replay = counting
     try:
