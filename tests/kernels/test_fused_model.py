@@ -5,7 +5,10 @@ interpreter. Also: auto mode keeps CPU on the torch path, and the switch never e
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,3 +101,72 @@ def test_switch_auto_is_off_on_cpu_and_never_under_autograd():
         assert not llama.use_fused(x)  # grad mode on: the kernels have no backward
     with llama.fused_elementwise(False), torch.no_grad():
         assert not llama.use_fused(x)
+
+
+def test_model_import_does_not_import_the_kernels():
+    code = ("import sys, runtime.models.llama, runtime.model_runner; "
+            "assert not any(m in sys.modules for m in ('kernels.norm', 'kernels.rope', 'kernels.activation'))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_switch_value_is_a_typed_error():
+    code = "import runtime.models.llama"
+    env = {**os.environ, "TANDEM_FUSED_ELEMENTWISE": "maybe"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "TANDEM_FUSED_ELEMENTWISE='maybe'" in proc.stderr
+
+
+def _tp_rank_main(rank: int, port: int, path: str, prompt: list[int], steps: int, out_path: str) -> None:
+    from runtime.distributed import destroy_tp, init_tp, run_worker
+    from target_service.tp import rank_device
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported in this process
+    llama._FUSED_MODE = True
+    device = rank_device("cpu", rank)
+    tp = init_tp(rank, 2, "127.0.0.1", port, device)
+    runner = ModelRunner(path, EngineConfig(device=device, dtype="float32", max_total_tokens=512,
+                                            attention_backend="torch", disable_cuda_graph=True), tp=tp)
+    try:
+        if rank == 0:
+            tokens = _greedy(runner, prompt, steps)
+            runner.stop_workers()
+            with open(out_path, "w") as f:
+                f.write(" ".join(map(str, tokens)) + "\n" + " ".join(sorted(llama._kernels)))
+        else:
+            run_worker(runner)
+    finally:
+        destroy_tp()
+
+
+def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    runner.add_seq("g")
+    tokens = [int(runner.forward([SeqForward("g", prompt)]).logits[0][-1].argmax())]
+    for _ in range(steps):
+        tokens.append(int(runner.forward([SeqForward("g", [tokens[-1]])]).logits[0][-1].argmax()))
+    return tokens
+
+
+def test_tp2_fused_path_gives_the_torch_path_greedy_tokens(tiny_path, tmp_path):
+    import multiprocessing as mp
+
+    from target_service.tp import free_port
+
+    path, prompt, steps = tiny_path("llama"), _tokens(7, 21), 6
+    with llama.fused_elementwise(False):
+        want = _greedy(ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=512,
+                                                      attention_backend="torch")), prompt, steps)
+    ctx = mp.get_context("spawn")
+    port, out = free_port(), tmp_path / "tp2.txt"
+    procs = [ctx.Process(target=_tp_rank_main, args=(r, port, path, prompt, steps, str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, 0], f"TP ranks exited with {codes}"
+    tokens, kernels_used = out.read_text().split("\n")
+    assert kernels_used.split() == ["activation", "norm", "rope"], "rank 0 ran the fused kernels"
+    assert [int(t) for t in tokens.split()] == want
