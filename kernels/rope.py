@@ -103,6 +103,8 @@ def rotary(
         num_q_heads, k.shape[1], q_programs,
         HALF=head_dim // 2, HEADS=heads, BLOCK_D=next_pow2(head_dim // 2), HAS_POS=positions is not None,
         num_warps=1 if head_dim * heads <= 256 else 2,
+        # No fma contraction: `lo*cos - hi*sin` fused into one fma would skip rounding hi*sin, which torch does.
+        enable_fp_fusion=False,
     )
 
 
