@@ -170,3 +170,35 @@ def test_tp2_fused_path_gives_the_torch_path_greedy_tokens(tiny_path, tmp_path):
     tokens, kernels_used = out.read_text().split("\n")
     assert kernels_used.split() == ["activation", "norm", "rope"], "rank 0 ran the fused kernels"
     assert [int(t) for t in tokens.split()] == want
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_heads_fused_path_matches_torch_path(kind, tiny_path, tmp_path, monkeypatch):
+    # The draft heads reuse DecoderLayer / Attention / MLP / RMSNorm (EAGLE's layer 0 has no input norm).
+    used: list[str] = []
+    real = llama._k
+    monkeypatch.setattr(llama, "_k", lambda name: used.append(name) or real(name))
+    from runtime.models.eagle import load_draft_head
+    from tests.eagle.heads import make_eagle3_head, make_eagle_head
+
+    target = tiny_path("llama")
+    if kind == "eagle":
+        path, algorithm, width = make_eagle_head(target, str(tmp_path / kind), num_layers=2), "EAGLE", 64
+    else:
+        path = make_eagle3_head(target, str(tmp_path / kind), draft_vocab_size=96, aux_layer_ids=[0, 1, 2])
+        algorithm, width = "EAGLE3", 3 * 64
+    engine = EngineConfig(device="cpu", dtype="float32", max_total_tokens=512, block_size=4)
+    feats = torch.randn(6, width, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for fused in (False, True):
+        with llama.fused_elementwise(fused):
+            model, config = load_draft_head(path, target, engine, algorithm)
+            runner = ModelRunner(None, engine, config, model=model)
+            runner.add_seq("s")
+            tokens, f = [5, 17, 200, 33, 9, 250], model.project_features(feats) if kind == "eagle3" else feats
+            first = runner.forward([SeqForward("s", tokens, logits="all", capture_hidden=True, input_features=f)])
+            step = runner.forward([SeqForward("s", [40], capture_hidden=True, input_features=first.hidden[0][-1:])])
+            outs.append([first.logits[0], first.hidden[0], step.logits[0], step.hidden[0]])
+    assert set(used) == {"norm", "rope", "activation"}
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
