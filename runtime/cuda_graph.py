@@ -50,11 +50,15 @@ class GraphOutputs:
     and greedy tokens of every row (lm_head and argmax run inside the graph), and the aux hidden states when the
     graph was captured with capture layers."""
 
-    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor, aux: torch.Tensor | None):
+    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor, aux: torch.Tensor | None,
+                 tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         self.hidden = hidden  # (padded N, H)
         self.logits = logits  # (padded N, vocab) float32
         self.argmax = argmax  # (padded N,) int64
         self.aux = aux  # (padded N, len(capture_layers) * H) or None
+        # Wide graphs: greedy tree verification of every sequence whose tokens open a fresh tree region (root =
+        # region node 0): kernels.verify_greedy's (accept_index (B, T), emitted (B, T), accept_lens (B,)) int32.
+        self.tree = tree
 
 
 class CudaGraphRunner:
@@ -90,8 +94,10 @@ class CudaGraphRunner:
         self.max_blocks = -(-max_context // bm.block_size)
         device = runner.device
         max_tokens = max(s * q for q in self.query_lens for s in self.sizes[q])
-        # Rows: input ids, positions, KV slots, logits rows; one host->device copy fills them all.
-        self.inputs = torch.zeros(4, max_tokens, dtype=torch.int64, device=device)
+        # Rows: input ids, positions, KV slots, logits rows, tree parents (region nodes, -1 = none); one host->device
+        # copy fills them all.
+        self.inputs = torch.zeros(5, max_tokens, dtype=torch.int64, device=device)
+        self._verify_tree = _tree_verifier()
         # Feature-based draft heads (EAGLE) take a per-token input feature: a static buffer of it.
         self.features = None
         if getattr(runner.model, "feature_size", None) is not None:
@@ -134,13 +140,20 @@ class CudaGraphRunner:
         model = self.compiled if self.compiled is not None and num_seqs <= self.compile_max_bs else runner.model
         out = model(ids, positions, runner.attn_backend, runner.kv_pool, self.capture_layers, **extra)
         logits = runner.model.compute_logits(out.hidden)  # (N, vocab) float32
-        return GraphOutputs(out.hidden, logits, logits.argmax(dim=-1), out.aux_hidden)
+        argmax = logits.argmax(dim=-1)  # (N,)
+        tree = None
+        query_len = num_tokens // num_seqs
+        if query_len > 1 and self._verify_tree is not None:
+            shape = (num_seqs, query_len)
+            tree = self._verify_tree(ids.view(shape), self.inputs[4, :num_tokens].view(shape), argmax.view(shape))
+        return GraphOutputs(out.hidden, logits, argmax, out.aux_hidden, tree)
 
     def _capture_one(self, num_seqs: int, query_len: int) -> None:
         runner = self.runner
         num_tokens = num_seqs * query_len
         self.inputs[:, :num_tokens] = 0
         self.inputs[2, :num_tokens] = -1  # padding writes no KV
+        self.inputs[4, :num_tokens] = -1
         ids, positions, slots = self.inputs[0, :num_tokens], self.inputs[1, :num_tokens], self.inputs[2, :num_tokens]
         runner.attn_backend.load_graph_metadata(None, num_seqs, query_len, slots)
         # Warm-up: torch.compile and Triton compile, cuBLAS picks its kernels, all outside the capture.
@@ -177,14 +190,18 @@ class CudaGraphRunner:
 
     def load_inputs(
         self, key: tuple[int, int], input_ids: list[int], positions: list[int], slot_mapping: list[int],
-        logits_indices: list[int],
+        logits_indices: list[int], tree_parents: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copy the real tokens (padding rows: id 0, position 0, slot -1) into the static inputs; return views of
-        (ids, positions, slots) over the padded batch and the logits rows."""
+        (ids, positions, slots) over the padded batch and the logits rows. tree_parents: per token, its region parent
+        (-1 for roots and chain tokens), read by the graph's greedy tree verification."""
         num_seqs, query_len = key
         num_tokens = num_seqs * query_len
         pad = num_tokens - len(input_ids)
-        host = torch.zeros(4, num_tokens, dtype=torch.int64)
+        host = torch.zeros(5, num_tokens, dtype=torch.int64)
+        host[4] = -1
+        if tree_parents is not None:
+            host[4, :len(tree_parents)] = torch.tensor(tree_parents, dtype=torch.int64)
         host[0, :len(input_ids)] = torch.tensor(input_ids)
         host[1, :len(positions)] = torch.tensor(positions)
         host[2] = torch.tensor(slot_mapping + [-1] * pad)
@@ -219,3 +236,13 @@ def _compile(runner: ModelRunner):
         forward._tandem_not_compiled = True
         backend.forward = forward  # an instance attribute: this backend object only
     return torch.compile(runner.model, backend=COMPILE_BACKEND)
+
+
+def _tree_verifier():
+    """kernels.verify_greedy.verify_tree_greedy, or None where triton cannot run it (the graph then returns only the
+    argmax and callers walk the tree on the host)."""
+    try:
+        from kernels.verify_greedy import verify_tree_greedy
+    except ImportError:
+        return None
+    return verify_tree_greedy

@@ -58,6 +58,10 @@ class ForwardOutput:
     # per SeqForward, only when forward(outputs="argmax" | "both"): the argmax token of each logits row, read back
     # to the host in one copy for the whole batch (inside a CUDA graph the argmax is part of the graph)
     argmax: list[list[int]] | None = None
+    # per SeqForward, only with outputs="argmax" | "both" when a graph with on-device greedy tree verification ran:
+    # for a tree append opening a fresh region with logits "all", (accepted region nodes, root 0 first; emitted
+    # tokens: the accepted nodes' tokens then the bonus), read back with the argmax; None for any other sequence
+    greedy_tree: list[tuple[list[int], list[int]] | None] | None = None
 
 
 class UnknownSeq(KeyError):
@@ -282,7 +286,10 @@ class ModelRunner:
         if self._mirror is not None:  # validated and reserved here, so the other ranks accept it too
             self._mirror.forward(batch, capture_layers, mode)
         try:
-            fb, new_regions, aux, rows_hidden, logits, argmax = self._run_model(batch, capture_layers, mode, outputs)
+            fresh = [sf.parents is not None and sf.logits == "all" and self._seqs[sf.seq_id].region_start is None
+                     for sf in batch]
+            fb, new_regions, aux, rows_hidden, logits, argmax, tree = self._run_model(batch, capture_layers, mode,
+                                                                                      outputs)
         except torch.cuda.OutOfMemoryError as exc:
             for seq_id, kv_len in kv_lens.items():  # give back the blocks reserved for this forward
                 self.block_manager.truncate(seq_id, kv_len)
@@ -292,7 +299,20 @@ class ModelRunner:
                 f"a forward of {len(batch)} sequences / {num_tokens} tokens does not fit in device memory; lower "
                 f"--mem-fraction-static, the batch or the tree size ({exc})") from None
         result = ForwardOutput(logits=[], hidden=[], aux_hidden=[])
-        host_argmax = argmax.tolist() if argmax is not None else None  # the one readback of a greedy step
+        host_argmax = None
+        if argmax is not None and tree is not None:  # the one readback of a greedy step: argmax + tree walks
+            b, width = len(batch), tree[0].shape[1]
+            accept_index, emitted, accept_lens = (t[:b].flatten().to(argmax.dtype) for t in tree)
+            packed = torch.cat([argmax, accept_index, emitted, accept_lens]).tolist()
+            host_argmax, packed = packed[:argmax.shape[0]], packed[argmax.shape[0]:]
+            result.greedy_tree = []
+            for i, is_fresh in enumerate(fresh):
+                num = packed[2 * b * width + i]
+                path = packed[i * width : i * width + num]  # root + accepted drafts = num emitted tokens
+                tokens = packed[(b + i) * width : (b + i) * width + num]
+                result.greedy_tree.append((path, tokens) if is_fresh else None)
+        elif argmax is not None:
+            host_argmax = argmax.tolist()  # the one readback of a greedy step
         if host_argmax is not None:
             result.argmax = []
         row = 0
@@ -321,7 +341,8 @@ class ModelRunner:
         self, batch: list[SeqForward], capture_layers: list[int] | None, mode: ForwardMode | None, outputs: str
     ):
         """(forward batch, new regions, aux hidden (N, .) or None, logits-row hidden, logits or None, argmax (rows,)
-        device tensor or None). Everything returned is a copy, safe from the next graph replay."""
+        device tensor or None, the graph's greedy tree verification or None). Everything returned is a copy, or
+        read before the next graph replay."""
         features = batch[0].input_features is not None  # _validate made it all-or-none
         gr = self.graph_runner
         # A graph returns the aux states of the layers it was captured with (a forward without capture ignores them)
@@ -341,7 +362,8 @@ class ModelRunner:
             rows_hidden = g.hidden[rows]  # (num_logit_rows, H): gathers copy
             logits = g.logits[rows] if want_logits and rows.shape[0] else None
             argmax = g.argmax[rows] if want_argmax else None
-            return fb, new_regions, aux, rows_hidden, logits, argmax
+            tree = g.tree if want_argmax else None
+            return fb, new_regions, aux, rows_hidden, logits, argmax, tree
         self.attn_backend.init_forward_metadata(fb)
         out = self.model(fb.input_ids, fb.positions, self.attn_backend, self.kv_pool, capture_layers, **extra)
         rows_hidden = out.hidden[rows]  # (num_logit_rows, H)
@@ -349,7 +371,7 @@ class ModelRunner:
         argmax = None
         if want_argmax:
             argmax = all_logits.argmax(dim=-1) if all_logits is not None else rows.new_empty(0)
-        return fb, new_regions, out.aux_hidden, rows_hidden, all_logits if want_logits else None, argmax
+        return fb, new_regions, out.aux_hidden, rows_hidden, all_logits if want_logits else None, argmax, None
 
     def _state(self, seq_id: str) -> _SeqState:
         try:
@@ -422,6 +444,7 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         logits_indices: list[int] = []
+        tree_parents_tok: list[int] = []  # per token: parent region node when the append opens a region, else -1
         num_logit_rows: list[int] = []
         seqs: list[SeqAttention] = []
         new_regions: dict[str, tuple[int, list[int], list[int]]] = {}
@@ -447,6 +470,8 @@ class ModelRunner:
                 tree_rows = visible[region_len:]  # per query: bitmask over the tail [region_start, kv_len)
                 # Default position: prefix length + depth, where depth = number of visible region nodes - 1.
                 pos = sf.positions or [region_start + v.bit_count() - 1 for v in tree_rows]
+            fresh_tree = sf.parents is not None and state.region_start is None
+            tree_parents_tok.extend(sf.parents if fresh_tree else [-1] * num_tokens)
             input_ids.extend(sf.token_ids)
             positions.extend(pos)
             slot_mapping.extend(bm.slots(sf.seq_id, state.kv_len, kv_len))
@@ -471,7 +496,7 @@ class ModelRunner:
         n = len(input_ids)
         if graph_key is not None:
             ids, pos_t, slots, rows = self.graph_runner.load_inputs(
-                graph_key, input_ids, positions, slot_mapping, logits_indices)
+                graph_key, input_ids, positions, slot_mapping, logits_indices, tree_parents_tok)
         else:
             packed = self._long(input_ids + positions + slot_mapping + logits_indices)
             ids, pos_t, slots, rows = packed.split([n, n, n, len(logits_indices)])

@@ -17,7 +17,7 @@ from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams, process_logits
 from runtime.speculative.tree import DraftTree
-from runtime.speculative.verify import verify_greedy, verify_tree_sampling
+from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
 
 
 class Status(enum.IntEnum):  # values equal tandem.v1.SeqStatus
@@ -83,6 +83,13 @@ class _Seq:
     sampling: SamplingParams
     stop: StopRule
     generator: torch.Generator | None
+
+
+class _GreedyRows(list):
+    """The argmax token of each logits row (read back from the device), and the device's greedy tree walk when a CUDA
+    graph verified the tree: (accepted region nodes, root 0 first; emitted tokens)."""
+
+    walk: tuple[list[int], list[int]] | None = None
 
 
 class TargetEngine:
@@ -249,7 +256,12 @@ class TargetEngine:
         feats = list(result.aux_hidden) if capture else [None] * len(forwards)
         if capture and self._final_norm:
             feats = [self.runner.model.norm(f) if f is not None else None for f in feats]
-        return list(result.argmax if greedy else result.logits), feats
+        if not greedy:
+            return list(result.logits), feats
+        rows = [_GreedyRows(r) for r in result.argmax]
+        for row, walk in zip(rows, result.greedy_tree or ()):
+            row.walk = walk
+        return rows, feats
 
     def _sample_rows(self, rows: torch.Tensor | list[int], seq: _Seq) -> list[int]:
         """Sample one token per logits row with exactly the processing used in verification (rows: logits, or the
@@ -264,6 +276,9 @@ class TargetEngine:
     def _accept(self, tree: DraftTree, rows: torch.Tensor | list[int], seq: _Seq):
         # rows: (num_nodes + 1, vocab) logits or the (num_nodes + 1) argmax tokens; row 0 predicts the token after the
         # root, row i+1 the token after node i.
+        if isinstance(rows, _GreedyRows) and rows.walk is not None:  # walked on the device, in the graph
+            path, tokens = rows.walk
+            return VerifyOutcome([node - 1 for node in path[1:]], tokens, len(path) - 1)
         if isinstance(rows, list):  # greedy batch: the walk over the argmax the device already took (no sync)
             return verify_greedy(tree, rows)
         if seq.sampling.is_greedy:

@@ -20,6 +20,7 @@ from runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from runtime.model_runner import ModelRunner, SeqForward  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.speculative.tree import DraftTree  # noqa: E402
+from runtime.speculative.verify import verify_greedy  # noqa: E402
 from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput  # noqa: E402
 from tests.graphs.test_graph_paths import TREE, _record_trees, _standalone_loop  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -91,6 +92,12 @@ def test_lm_head_and_argmax_in_graph_match_eager():
     got, want = graph.forward(batch, outputs="argmax"), eager.forward(batch)
     assert all(t.numel() == 0 for t in got.logits)  # greedy: no logits leave the graph
     want_ids = [row.argmax(-1).tolist() for row in want.logits]
+    # The graph also walked every fresh tree on the device: same path and tokens as the host walk over its argmax.
+    draft = DraftTree(batch[0].token_ids[1:], [p - 1 for p in parents[1:]])
+    assert got.greedy_tree is not None and len(got.greedy_tree) == len(seqs)
+    for sf, argmax, (path, emitted) in zip(batch, got.argmax, got.greedy_tree):
+        walk = verify_greedy(DraftTree(sf.token_ids[1:], draft.parents), argmax)
+        assert path == [0] + [n + 1 for n in walk.accepted_nodes] and emitted == walk.tokens
     agree += sum(a == b for a, b in zip(got.argmax, want_ids))
     total += len(seqs)
     print(f"argmax agreement graph vs eager: {agree}/{total}; replays {replays}")
@@ -170,4 +177,26 @@ def test_eagle3_head_steps_graphs_match_eager(tmp_path, tiny):
         results.append((generated, accepts, trees))
     print("eagle3 replays:", all_replays, "accepts:", results[0][1])
     assert sum(key == (1, TREE.topk) for key in all_replays) >= len(results[0][2]) * (TREE.num_steps - 1)
+    assert results[0] == results[1]
+
+
+def test_torch_compiled_draft_graphs_match_eager_graphs(tiny):
+    """--enable-torch-compile: the graphs of <= --torch-compile-max-bs sequences capture the inductor-compiled forward
+    (compiled by the capture warm-up); the proposals equal those of the uncompiled graphs."""
+    import time
+
+    results = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        cfg = _draft_cfg(True, TREE, cuda_graph_max_bs=4, enable_torch_compile=compiled, torch_compile_max_bs=4)
+        proposer = StandaloneProposer(ModelRunner(tiny, cfg))
+        gr = proposer.runner.graph_runner
+        print(f"compile={compiled}: runner with graphs {sorted(gr.graphs)} built in {time.perf_counter() - start:.1f} s")
+        assert (gr.compiled is not None) == compiled
+        trees = _record_trees(proposer)
+        target = ModelRunner(tiny, _cfg(False, load_format="auto"))
+        rng = random.Random(6)
+        prompts = {f"c{i}": [rng.randrange(3, 320) for _ in range(5)] for i in range(3)}
+        results.append((_standalone_loop(target, proposer, prompts, TREE, steps=4), trees))
     assert results[0] == results[1]

@@ -18,6 +18,8 @@ class _FakeGraph:
             static = getattr(self.outputs, name)
             if static is not None:
                 static.copy_(getattr(new, name))
+        for static, fresh in zip(self.outputs.tree or (), new.tree or ()):
+            static.copy_(fresh)
         self.replays += 1
 
 

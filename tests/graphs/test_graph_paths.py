@@ -112,6 +112,9 @@ def test_target_engine_greedy_verify_and_features_through_graphs(llama):
     graph, eager = _engine(llama, True), _engine(llama, False)
     gr = graph.runner.graph_runner
     assert gr.capture_layers == [1, 3] and gr.num_replays() == 0
+    walks = []
+    forward = graph.runner.forward
+    graph.runner.forward = lambda *a, **k: (lambda out: (walks.append(out.greedy_tree), out)[1])(forward(*a, **k))
     greedy = SamplingParams(temperature=0.0)
     rng = random.Random(1)
     prompts = {s: [rng.randrange(3, 320) for _ in range(6)] for s in ("x", "y")}
@@ -131,6 +134,7 @@ def test_target_engine_greedy_verify_and_features_through_graphs(llama):
             steps.append([(o.token_ids, o.features) for o in res])
         outs[name] = (pre, steps)
     assert gr.num_replays() == 3  # every verify replayed a graph, with feature capture
+    assert walks[0] is None and all(w is not None and None not in w for w in walks[1:])  # verify: walked on device
     for a, b in zip(outs["graph"][0], outs["eager"][0]):
         assert a.token_ids == b.token_ids and torch.allclose(a.features, b.features, atol=1e-5)
     for step_a, step_b in zip(outs["graph"][1], outs["eager"][1]):
@@ -273,3 +277,66 @@ def test_torch_compiled_draft_graphs_match_eager(llama, monkeypatch):
     assert gr.num_replays() >= 2 and calls, "the compiled forward never ran"
     assert results[0] == results[1]
     torch._dynamo.reset()
+
+
+def test_sampled_requests_take_logits_out_of_the_graph(llama):
+    """A batch with a sampled sequence copies logits out of the graph's static buffer (the greedy one beside it still
+    gets the eager greedy tokens); a seeded sampler draws the same tokens as eager."""
+    graph, eager = _engine(llama, True), _engine(llama, False)
+    gr = graph.runner.graph_runner
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=11)
+    prompts = {"g": [11, 22, 33, 44], "t": [55, 66, 77, 88]}
+    params = {"g": greedy, "t": sampled}
+    results = []
+    for engine in (graph, eager):
+        forward = engine.runner.forward
+        modes = []
+        engine.runner.forward = lambda *a, **k: (modes.append(k.get("outputs")), forward(*a, **k))[1]
+        pre = engine.prefill([PrefillInput(s, p, True, params[s], StopRule(64, prompt_len=4)) for s, p in prompts.items()])
+        committed = {o.seq_id: prompts[o.seq_id] + o.token_ids for o in pre}
+        for _ in range(3):
+            res = engine.verify([VerifyInput(s, len(c), c[-1], DraftTree([7, 8, 9], [-1, 0, 1]), params[s],
+                                             StopRule(64, prompt_len=4)) for s, c in committed.items()])
+            for o in res:
+                committed[o.seq_id] += o.token_ids
+        results.append(committed)
+        assert modes == ["logits"] * 4
+    assert gr.num_replays() == 4  # the 4-token prompts are a chain of the wide graph's width: graph too
+    assert results[0] == results[1]
+
+
+def test_greedy_tree_walk_in_the_graph_equals_the_host_walk(llama):
+    """Wide graphs verify fresh trees on the device (kernels.verify_greedy): the path and tokens read back with the
+    argmax equal runtime.speculative.verify.verify_greedy over that argmax, from a rejected root to a fully
+    accepted path (trees rebuilt from the target's own predictions until they converge)."""
+    runner = ModelRunner(llama, _config(cuda_graph_mask_width=8))
+    gr = install_fake_graphs(runner, sizes=[4])
+    seqs = ["m", "n", "o"]  # padded to 4
+    for s in seqs:
+        runner.add_seq(s)
+    runner.forward([SeqForward(s, [10 + i, 20, 30]) for i, s in enumerate(seqs)])
+    parents = [-1, -1, 0]  # draft nodes: 0 and 1 under the root, 2 under 0
+    tokens = {s: [5, 6, 7] for s in seqs}
+    roots = {s: 40 + i for i, s in enumerate(seqs)}
+    accepted = []
+    for _ in range(4):
+        kv = {s: runner.kv_len(s) for s in seqs}
+        batch = [SeqForward(s, [roots[s], *tokens[s]], parents=[-1] + [p + 1 for p in parents], logits="all")
+                 for s in seqs]
+        out = runner.forward(batch, outputs="argmax")
+        assert out.greedy_tree is not None and len(out.greedy_tree) == 3
+        for s, argmax, (path, emitted) in zip(seqs, out.argmax, out.greedy_tree):
+            want = verify_greedy(DraftTree(tokens[s], parents), argmax)
+            assert path == [0] + [n + 1 for n in want.accepted_nodes] and emitted == want.tokens
+            accepted.append(want.num_accepted_drafts)
+            # Next round: each node's token = the target's choice after its parent (row 0 = after the root).
+            tokens[s] = [argmax[p + 1] for p in parents]
+            runner.truncate(s, kv[s])
+    assert gr.num_replays() == 4
+    assert accepted[-3:] == [2, 2, 2] and min(accepted) == 0, accepted
+    # A second append into an open region is not a fresh tree: no device walk for it.
+    batch = [SeqForward(s, [roots[s], 5], parents=[-1, 0], logits="all") for s in seqs]
+    runner.forward(batch)
+    extend = [SeqForward(s, [1, 2, 3, 4], parents=[0, 1, 1, 2], logits="all") for s in seqs]
+    out = runner.forward(extend, outputs="argmax")
+    assert out.greedy_tree == [None, None, None] and gr.num_replays() == 5
