@@ -157,8 +157,17 @@ class CudaGraphRunner:
         ids, positions, slots = self.inputs[0, :num_tokens], self.inputs[1, :num_tokens], self.inputs[2, :num_tokens]
         runner.attn_backend.load_graph_metadata(None, num_seqs, query_len, slots)
         # Warm-up: torch.compile and Triton compile, cuBLAS picks its kernels, all outside the capture.
-        for _ in range(2):
-            self._run(ids, positions, num_seqs, num_tokens)
+        try:
+            for _ in range(2):
+                self._run(ids, positions, num_seqs, num_tokens)
+        except Exception as exc:  # noqa: BLE001 - torch.compile failing is not fatal: fall back to the eager forward
+            if self.compiled is None or num_seqs > self.compile_max_bs:
+                raise
+            logger.warning("torch.compile of the forward failed (%s: %s); graphs capture the eager forward",
+                           type(exc).__name__, exc)
+            self.compiled = None
+            for _ in range(2):
+                self._run(ids, positions, num_seqs, num_tokens)
         self.graphs[(num_seqs, query_len)] = self._capture_graph(
             lambda: self._run(ids, positions, num_seqs, num_tokens))
 
