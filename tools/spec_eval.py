@@ -52,11 +52,17 @@ class EngineBench:
     """One target engine per feature mode, proposers built once (NGRAM fresh per batch: its trie is global)."""
 
     def __init__(self, target_path: str, draft_path: str | None, eagle3_path: str | None, device: str,
-                 eagle_path: str | None = None, max_total_tokens: int = 65536) -> None:
+                 eagle_path: str | None = None, max_total_tokens: int = 65536, cuda_graphs: str = "all") -> None:
+        """cuda_graphs: "all" (target and drafts capture CUDA graphs, as the services do), "target" (drafts eager)
+        or "none"."""
+        import dataclasses
+
         from runtime.config import EngineConfig
         from runtime.model_runner import ModelRunner
 
-        self.engine_config = EngineConfig(device=device, dtype="auto", max_total_tokens=max_total_tokens)
+        self.engine_config = EngineConfig(device=device, dtype="auto", max_total_tokens=max_total_tokens,
+                                          disable_cuda_graph=cuda_graphs == "none")
+        self.draft_engine_config = dataclasses.replace(self.engine_config, disable_cuda_graph=cuda_graphs != "all")
         self.target_path, self.draft_path = target_path, draft_path
         self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path}
         self.runner = ModelRunner(target_path, self.engine_config)
@@ -73,12 +79,12 @@ class EngineBench:
                 from draft_service.standalone import StandaloneProposer
                 from runtime.model_runner import ModelRunner
 
-                self._proposers[algorithm] = StandaloneProposer(ModelRunner(self.draft_path, self.engine_config))
+                self._proposers[algorithm] = StandaloneProposer(ModelRunner(self.draft_path, self.draft_engine_config))
             else:
                 from draft_service.eagle import EagleProposer
 
                 self._proposers[algorithm] = EagleProposer(self.target_path, self.head_paths[algorithm],
-                                                           self.engine_config, algorithm)
+                                                           self.draft_engine_config, algorithm)
         return self._proposers[algorithm]
 
     def run(self, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -185,13 +191,13 @@ def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assis
 def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, prompts: list[list[int]],
              device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
              eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None,
-             only: list[str] | None = None) -> dict:
+             only: list[str] | None = None, cuda_graphs: str = "all") -> dict:
     """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
     speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
     remaining measurements are skipped and listed under "skipped". `only`: measure just these method names."""
     from transformers import AutoModelForCausalLM
 
-    bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path)
+    bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path, cuda_graphs=cuda_graphs)
     methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None)
     if only:
         unknown = set(only) - {m.name for m in methods}
@@ -274,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--methods", nargs="*", default=None,
                    help='measure only these methods, by name (e.g. "EAGLE chain 3/1/4"); default: all that apply')
+    p.add_argument("--cuda-graphs", choices=["all", "target", "none"], default="all",
+                   help="CUDA graphs for target and drafts (as served), the target only, or none")
     p.add_argument("--out", default=None, help="write JSON here and the markdown table beside it (.md)")
     args = p.parse_args(argv)
     if args.threads:
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
                       args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle,
-                      only=args.methods)
+                      only=args.methods, cuda_graphs=args.cuda_graphs)
     table = markdown(result)
     print(table)
     if args.out:
