@@ -161,6 +161,23 @@ def recapture(runner, ndt: int) -> None:
     runner.graph_runner.capture()
 
 
+@torch.no_grad()
+def give_wide_margins(model, seed: int, embed_scale: float = 2000.0) -> None:
+    """Structured dummy weights (same shapes, same compute): the embedding scaled up so the residual stream keeps the
+    input token's direction through the random layers (each adds elements of std ~3 at 8B shapes; the scaled
+    embedding's are ~40), and lm_head row perm[t] = the unit embedding of t. The greedy next token is then perm[current
+    token] by a margin of tens of logits, so the bf16 rounding differences between a wide verify and a decode step
+    (different GEMM shapes) cannot flip it — with plain random weights they flip near-tie argmaxes of a 128k vocab
+    every few dozen tokens, and the oracle continuation (from decode) stops matching what verify computes."""
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    if head.data_ptr() == embed.data_ptr():
+        raise ValueError("--margin-weights needs an untied lm_head")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(embed.shape[0], generator=gen).to(embed.device)
+    head[perm] = (embed.float() / embed.float().norm(dim=1, keepdim=True)).to(head.dtype)
+    embed.mul_(embed_scale)
+
+
 def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) -> list[dict]:
     from draft_service.proposer import SpecShape
     from draft_service.synthetic import SyntheticHead, SyntheticProposer
@@ -178,6 +195,8 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
                                  cuda_graph_num_draft_tokens=min(c.ndt for c in configs),
                                  disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
     runner = ModelRunner(None, engine_config, cfg)
+    if args.margin_weights:
+        give_wide_margins(runner.model, args.seed)
     engine = TargetEngine(runner)
     head = None
     if args.head_hidden != 0:
@@ -310,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="hidden size of the synthetic EAGLE-3-sized head (default: the target's; 0 = no compute)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="lm_head rows of the synthetic head")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--margin-weights", action="store_true",
+                   help="in-process: structured dummy weights whose greedy continuation has wide argmax margins "
+                        "(see give_wide_margins), so the oracle survives bf16 verify-vs-decode rounding")
     p.add_argument("--calibration-runs", type=int, default=1,
                    help="when speculative outputs leave the AR oracle (numerics of wide verify vs decode), re-run up "
                         "to this many times with those outputs as the oracle; the last run is reported")
