@@ -149,6 +149,12 @@ class CudaGraphRunner:
         return GraphOutputs(out.hidden, logits, argmax, out.aux_hidden, tree)
 
     def _capture_one(self, num_seqs: int, query_len: int) -> None:
+        from runtime.models.llama import graph_capture_mode
+
+        with graph_capture_mode():  # fused elementwise kernels in graphs (warm-up compiles them outside the capture)
+            self._capture_one_inner(num_seqs, query_len)
+
+    def _capture_one_inner(self, num_seqs: int, query_len: int) -> None:
         runner = self.runner
         num_tokens = num_seqs * query_len
         self.inputs[:, :num_tokens] = 0

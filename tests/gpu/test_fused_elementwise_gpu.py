@@ -162,8 +162,8 @@ def test_two_layer_model_graph_fused_vs_eager_torch_path(dtype, model_kw, monkey
 
     prompts = {s: [rng.randrange(3, 2048) for _ in range(rng.randrange(1, 600))] for s in seqs}
     used.clear()
-    both([SeqForward(s, ids) for s, ids in prompts.items()])  # prefill: eager, fused kernels on the graph runner
-    assert {"norm", "rope", "activation"} <= set(used)
+    both([SeqForward(s, ids) for s, ids in prompts.items()])  # prefill: eager, so torch ops in auto mode
+    assert not {"norm", "rope", "activation"} & set(used), "auto mode runs the fused kernels only in graphs"
     agree = total = 0
     for step in range(4):
         for bs in (1, 5, 40):

@@ -103,6 +103,22 @@ def test_switch_auto_is_off_on_cpu_and_never_under_autograd():
         assert not llama.use_fused(x)
 
 
+def test_auto_mode_fuses_only_inside_cuda_graph_capture():
+    """Eager CUDA forwards keep torch ops (a Triton launch from Python costs more than the ops it replaces);
+    graph capture and its warm-up (runtime/cuda_graph.py) use the fused kernels."""
+    from types import SimpleNamespace
+
+    cuda_like = SimpleNamespace(is_cuda=True)
+    with llama.fused_elementwise(None), torch.no_grad():
+        assert not llama.use_fused(cuda_like)
+        with llama.graph_capture_mode():
+            assert llama.use_fused(cuda_like)
+            assert not llama.use_fused(torch.zeros(1))  # CPU tensors never
+        assert not llama.use_fused(cuda_like)
+    with llama.fused_elementwise(False), llama.graph_capture_mode(), torch.no_grad():
+        assert not llama.use_fused(cuda_like)
+
+
 def test_model_import_does_not_import_the_kernels():
     code = ("import sys, runtime.models.llama, runtime.model_runner; "
             "assert not any(m in sys.modules for m in ('kernels.norm', 'kernels.rope', 'kernels.activation'))")
