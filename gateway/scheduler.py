@@ -24,6 +24,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from gateway.adaptive import AdaptiveSpec
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem,
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
@@ -77,9 +78,16 @@ class Scheduler:
 
     def __init__(self, *, targets: list[TargetClient], drafts: list[DraftClient], tokenizer, model_name: str,
                  max_context_len: int, vocab_size: int, eos_token_ids: list[int], spec: SpecConfig,
-                 config: SchedulerConfig = SchedulerConfig(), metrics: GatewayMetrics | None = None):
+                 config: SchedulerConfig = SchedulerConfig(), metrics: GatewayMetrics | None = None,
+                 adaptive: AdaptiveSpec | None = None):
+        """adaptive: per-batch-size choice of the draft steps (gateway/adaptive.py); chain drafts only."""
         if not targets:
             raise ValueError("at least one target pod is needed")
+        if adaptive is not None and (spec.topk != 1 or spec.algorithm in ("NONE", "NGRAM")
+                                     or config.enable_overlap_drafting):
+            raise ValueError("adaptive speculation needs a chain draft (topk 1; STANDALONE, EAGLE, EAGLE3) and no "
+                             "overlapped drafting")
+        self.adaptive = adaptive
         self.targets = PodPool(targets, config.pod_retry_s)
         self.drafts = PodPool(drafts, config.pod_retry_s)
         self.tokenizer = tokenizer
@@ -302,9 +310,11 @@ class Scheduler:
             elif result.token_ids:
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
 
-    async def _propose(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+    async def _propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
+                       ) -> dict[str, tuple[list[int], list[int]]]:
         """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
-        pod get no tree (a target-only step)."""
+        pod get no tree (a target-only step). shape: (steps, topk, num_draft_tokens) of this step (None = the
+        configured one)."""
         if not self.spec.enabled or not len(self.drafts):
             return {}
         if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
@@ -317,11 +327,13 @@ class Scheduler:
             if seq.draft is not None:
                 groups[seq.draft].append(seq)
         trees: dict[str, tuple[list[int], list[int]]] = {}
-        for part in await asyncio.gather(*(self._propose_on(pod, group) for pod, group in groups.items())):
+        for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
         return trees
 
-    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
+                          ) -> dict[str, tuple[list[int], list[int]]]:
+        steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
         try:
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
             if unsynced:
@@ -330,8 +342,7 @@ class Scheduler:
                     if status == STATUS_OK:
                         seq.draft_synced_len = len(seq.committed)
             ready = [s for s in seqs if s.draft_synced_len > 0]
-            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], self.spec.num_steps,
-                                 self.spec.topk, self.spec.num_draft_tokens,
+            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], steps, topk, ndt,
                                  self._features(s, s.draft_synced_len - 1)) for s in ready]
             proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
         except (PodUnavailable, ValueError) as exc:
@@ -360,9 +371,15 @@ class Scheduler:
 
     async def _step(self, seqs: list[Sequence]) -> None:
         overlap = self._overlap_enabled
+        adaptive_steps = self.adaptive.steps_for(len(seqs)) if self.adaptive is not None else None
+        accepted_before = {s.seq_id: s.accepted_draft_tokens for s in seqs}
         if overlap:
             trees = self._take_predrafts(seqs)
             trees.update(await self._propose([s for s in seqs if s.seq_id not in trees]))
+        elif adaptive_steps == 0:
+            trees = {}  # this batch size's tier does not speculate: a plain decode step through Verify
+        elif adaptive_steps is not None:
+            trees = await self._propose(seqs, (adaptive_steps, 1, adaptive_steps + 1))
         else:
             trees = await self._propose(seqs)
         groups: dict[object, list[Sequence]] = defaultdict(list)
@@ -375,6 +392,11 @@ class Scheduler:
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             verifies.append(self._predraft(self._predraft_items(seqs, trees)))
         await asyncio.gather(*verifies)
+        if adaptive_steps is not None:
+            drafted = [s for s in seqs if s.seq_id in trees]
+            mean = (sum(s.accepted_draft_tokens - accepted_before[s.seq_id] for s in drafted) / len(drafted)
+                    if drafted else None)
+            self.adaptive.observe(len(seqs), adaptive_steps, mean)
 
     # ---------------------------------------------------------------- overlapped drafting
     @property

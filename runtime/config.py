@@ -151,6 +151,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 64
     cuda_graph_num_draft_tokens: int | None = None  # the verify width to capture (root included); None = decode only
+    # More verify widths to capture (adaptive speculation: one per draft-steps tier, each <= the one above).
+    cuda_graph_extra_widths: tuple[int, ...] = ()
     cuda_graph_max_bs_decode: int | None = None  # largest decode (1 token per sequence) batch captured; None = max_bs
     # Tree-tail width the wide graphs accept; None = cuda_graph_num_draft_tokens. A draft's tree steps (topk tokens
     # per sequence) attend to all earlier steps' nodes: num_steps * topk.

@@ -65,6 +65,7 @@ class CudaGraphRunner:
     def __init__(
         self, runner: ModelRunner, max_bs: int, num_draft_tokens: int | None, max_bs_decode: int | None = None,
         mask_width: int | None = None, capture_layers: list[int] | None = None, compile_max_bs: int = 0,
+        extra_widths: tuple[int, ...] = (),
     ) -> None:
         """max_bs: largest batch of the wide (num_draft_tokens per sequence) graphs; max_bs_decode: of the decode
         graphs (None = max_bs). mask_width: tree-tail width the wide graphs accept (None = num_draft_tokens; a
@@ -74,7 +75,7 @@ class CudaGraphRunner:
         self.runner = runner
         self.compile_max_bs = compile_max_bs
         self.compiled = _compile(runner) if compile_max_bs > 0 else None
-        self.query_lens = sorted({1, num_draft_tokens or 1})
+        self.query_lens = sorted({1, num_draft_tokens or 1, *extra_widths})  # extra: adaptive tiers' widths
         decode_bs = capture_batch_sizes(max_bs if max_bs_decode is None else max_bs_decode)
         wide_bs = capture_batch_sizes(max_bs)
         self.sizes = {q: decode_bs if q == 1 else wide_bs for q in self.query_lens}

@@ -153,7 +153,8 @@ class ModelRunner:
             self.graph_runner.release()
         self.graph_runner = cls(self, ec.cuda_graph_max_bs, ec.cuda_graph_num_draft_tokens,
                                 ec.cuda_graph_max_bs_decode, ec.cuda_graph_mask_width, capture_layers,
-                                ec.torch_compile_max_bs if ec.enable_torch_compile else 0)
+                                ec.torch_compile_max_bs if ec.enable_torch_compile else 0,
+                                extra_widths=tuple(ec.cuda_graph_extra_widths))
         self.graph_runner.capture()
         self.use_cuda_graph = True
 

@@ -90,6 +90,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree size verified per step, root included")
+    g.add_argument("--speculative-adaptive", action="store_true",
+                   help="adaptive speculation (chain drafts, topk 1): draft steps per verify chosen per batch-size "
+                        "slot from an EMA of accepted drafts; large batches step without drafts (gateway/adaptive.py)")
+    g.add_argument("--speculative-adaptive-config", default=None,
+                   help="JSON of batch-size slots, e.g. {\"1\": {\"candidate_steps\": [1, 3, 7]}, \"64\": "
+                        "{\"candidate_steps\": [0]}} (default: SGLang's tiers capped at --speculative-num-steps)")
     g.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: min BFS breadth")
     g.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM: max BFS breadth")
     g.add_argument("--speculative-ngram-match-type", default="BFS", choices=["BFS", "PROB"],
@@ -179,6 +185,8 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     if algorithm in FEATURE_ALGORITHMS and not args.speculative_draft_model_path:
         raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path (the head)")
     if algorithm == "NONE":
+        if getattr(args, "speculative_adaptive", False):
+            raise SystemExit("error: --speculative-adaptive needs --speculative-algorithm")
         if any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
                                        args.speculative_num_draft_tokens)):
             raise SystemExit("error: --speculative-num-steps/-eagle-topk/-num-draft-tokens need "
@@ -194,4 +202,10 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if getattr(args, "speculative_adaptive", False):
+        if algorithm not in ("STANDALONE", "EAGLE", "EAGLE3", "SYNTHETIC") or topk != 1:
+            raise SystemExit("error: --speculative-adaptive needs a chain draft (--speculative-eagle-topk 1) of "
+                             "STANDALONE, EAGLE or EAGLE3")
+        if getattr(args, "enable_overlap_drafting", False):
+            raise SystemExit("error: --speculative-adaptive and --enable-overlap-drafting do not combine")
     return algorithm, steps, topk, ndt

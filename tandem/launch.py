@@ -60,6 +60,10 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
     if args.speculative_draft_attention_backend:
         flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
+    if getattr(args, "speculative_adaptive", False):
+        flags += ["--speculative-adaptive"]
+        if args.speculative_adaptive_config:
+            flags += ["--speculative-adaptive-config", args.speculative_adaptive_config]
     if args.speculative_algorithm == "SYNTHETIC":  # synthetic acceptance, benchmarks only
         flags += ["--synthetic-accept-rate", repr(args.synthetic_accept_rate),
                   "--synthetic-draft-vocab", str(args.synthetic_draft_vocab)]

@@ -37,9 +37,21 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
         kwargs["cuda_graph_mask_width"] = steps * topk
     if target:  # the verify width the target's graphs are captured for
         kwargs["cuda_graph_num_draft_tokens"] = getattr(args, "speculative_num_draft_tokens", None)
+        if getattr(args, "speculative_adaptive", False):  # one verify width per adaptive tier (steps + 1)
+            kwargs["cuda_graph_extra_widths"] = tuple(s + 1 for s in adaptive_steps(args) if s > 0)
     if args.max_total_tokens:
         kwargs["max_total_tokens"] = args.max_total_tokens
     return EngineConfig(**kwargs)
+
+
+def adaptive_steps(args: argparse.Namespace) -> list[int]:
+    """Every candidate draft-steps value of --speculative-adaptive's slots (exits with the config's error)."""
+    from gateway.adaptive import all_candidate_steps, load_config
+
+    try:
+        return all_candidate_steps(load_config(args.speculative_adaptive_config, args.speculative_num_steps or 1))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _build_runner(path: str | None, engine_config):
@@ -203,12 +215,21 @@ async def run_gateway(args: argparse.Namespace) -> None:
     spec = SpecConfig(args.speculative_algorithm or "NONE", args.speculative_num_steps or 0,
                       args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or 1)
     eos = sorted({*info.eos_token_ids, *tokenizer.eos_token_ids})
+    adaptive = None
+    if getattr(args, "speculative_adaptive", False):
+        from gateway.adaptive import AdaptiveSpec, load_config
+
+        try:
+            adaptive = AdaptiveSpec(load_config(args.speculative_adaptive_config, spec.num_steps), spec.num_steps)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
                           spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
                                                             args.request_timeout,
                                                             max_prompt_tokens=args.max_prompt_tokens,
-                                                            enable_overlap_drafting=args.enable_overlap_drafting))
+                                                            enable_overlap_drafting=args.enable_overlap_drafting),
+                          adaptive=adaptive)
     await scheduler.start()
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):

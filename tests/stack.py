@@ -41,8 +41,8 @@ def read_config(path: Path) -> dict:
 async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path: Path | None = None,
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
-                      enable_overlap_drafting: bool = False):
-    """Yields a started Scheduler wired to in-process gRPC target (and draft) servers."""
+                      enable_overlap_drafting: bool = False, adaptive=None):
+    """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -83,7 +83,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
                           config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
-                                                 enable_overlap_drafting=enable_overlap_drafting))
+                                                 enable_overlap_drafting=enable_overlap_drafting),
+                          adaptive=adaptive)
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
     scheduler.test_proposer = proposer
