@@ -41,15 +41,17 @@ def read_config(path: Path) -> dict:
 async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path: Path | None = None,
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
-                      enable_overlap_drafting: bool = False, adaptive=None):
-    """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec."""
+                      enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
+                      dtype: str = "float32"):
+    """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
+    device/dtype: of both model services (tests/gpu runs the same stack on CUDA)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
     from target_service.engine import TargetEngine
     from target_service.server import serve_target
 
-    engine_config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=max_total_tokens)
+    engine_config = EngineConfig(device=device, dtype=dtype, max_total_tokens=max_total_tokens)
     target_runner = ModelRunner(str(target_path), engine_config)
     proposer = None
     capture = {}
