@@ -7,11 +7,8 @@ to a (draft, target) pair by rendezvous hashing over the live pods. The gateway'
 of truth: a pod that answers STALE, or a target pod that is lost, is re-synced from it (re-prefill on another pod);
 a sequence without a reachable draft pod decodes target-only.
 
-Overlapped drafting (`enable_overlap_drafting`, PEARL-style post-verify): while a step's Verify is in flight, each
-sequence's draft pod pre-drafts the next step from a guess of the outcome — the tree's first-child path accepted in
-full, then the draft's own greedy next token as the bonus. The next step uses that tree without a Propose round trip
-when the committed tokens equal the guess, and drops it otherwise (the draft rolls back on the next Propose).
-Verification alone decides what is committed, so the output is the same either way.
+The draft side of a step (Propose batching, re-sync, feature rows, overlapped pre-drafts) is gateway/drafting.py;
+adaptive draft lengths per batch size are gateway/adaptive.py.
 """
 from __future__ import annotations
 
@@ -25,37 +22,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.adaptive import AdaptiveSpec
-from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem,
+from gateway.drafting import Drafting, SpecConfig
+from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable,
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
-from gateway.sequence import Predraft, Sequence
+from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
                            InvalidRequest, Overloaded, Unavailable)
 
 logger = logging.getLogger(__name__)
 
 _FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
-FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")  # tandem.args normalises NEXTN to EAGLE
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Speculation shape sent with every Propose; algorithm "NONE" means plain decoding through Verify."""
-
-    algorithm: str = "NONE"
-    num_steps: int = 0
-    topk: int = 1
-    num_draft_tokens: int = 1
-
-    @property
-    def enabled(self) -> bool:
-        return self.algorithm != "NONE"
-
-    @property
-    def needs_features(self) -> bool:
-        """Feature-based drafts need the target's hidden states of every committed token."""
-        return self.algorithm in FEATURE_ALGORITHMS
 
 
 @dataclass(frozen=True)
@@ -109,6 +87,7 @@ class Scheduler:
         self.metrics = metrics or GatewayMetrics()
         self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
                           pools={"target": self.targets, "draft": self.drafts})
+        self.drafting = Drafting(self.drafts, spec, self.metrics, config.enable_overlap_drafting)
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -310,78 +289,19 @@ class Scheduler:
             elif result.token_ids:
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
 
-    async def _propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                       ) -> dict[str, tuple[list[int], list[int]]]:
-        """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
-        pod get no tree (a target-only step). shape: (steps, topk, num_draft_tokens) of this step (None = the
-        configured one)."""
-        if not self.spec.enabled or not len(self.drafts):
-            return {}
-        if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
-            seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
-        groups: dict[object, list[Sequence]] = defaultdict(list)
-        for seq in seqs:
-            if seq.draft is None or self.drafts.is_down(seq.draft):
-                seq.draft = self.drafts.route(seq.seq_id)
-                seq.draft_synced_len = 0
-            if seq.draft is not None:
-                groups[seq.draft].append(seq)
-        trees: dict[str, tuple[list[int], list[int]]] = {}
-        for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
-            trees.update(part)
-        return trees
-
-    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                          ) -> dict[str, tuple[list[int], list[int]]]:
-        steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
-        try:
-            unsynced = [s for s in seqs if s.draft_synced_len == 0]
-            if unsynced:
-                statuses = await pod.prefill([(s.seq_id, s.committed[:], self._features(s, 0)) for s in unsynced])
-                for seq, status in zip(unsynced, statuses):
-                    if status == STATUS_OK:
-                        seq.draft_synced_len = len(seq.committed)
-            ready = [s for s in seqs if s.draft_synced_len > 0]
-            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], steps, topk, ndt,
-                                 self._features(s, s.draft_synced_len - 1)) for s in ready]
-            proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
-        except (PodUnavailable, ValueError) as exc:
-            if isinstance(exc, PodUnavailable):
-                self.drafts.mark_down(pod, str(exc))
-            logger.warning("draft pod %s unusable, these sequences step target-only: %s", pod.address, exc)
-            for seq in seqs:
-                seq.draft, seq.draft_synced_len = None, 0
-            return {}
-        trees = {}
-        by_id = {s.seq_id: s for s in ready}
-        for proposal in proposals:
-            seq = by_id[proposal.seq_id]
-            if proposal.status == STATUS_STALE:
-                seq.draft_synced_len = 0
-            elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
-                seq.draft_synced_len = len(seq.committed)
-                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents)
-        return trees
-
-    def _features(self, seq: Sequence, start: int):
-        """Feature rows [start, L-1) of a sequence with L committed tokens; None for token-only drafts."""
-        if not self.spec.needs_features:
-            return None
-        return seq.features.slice(start, len(seq.committed) - 1)
-
     async def _step(self, seqs: list[Sequence]) -> None:
-        overlap = self._overlap_enabled
+        overlap = self.drafting.overlap_enabled
         adaptive_steps = self.adaptive.steps_for(len(seqs)) if self.adaptive is not None else None
         accepted_before = {s.seq_id: s.accepted_draft_tokens for s in seqs}
         if overlap:
-            trees = self._take_predrafts(seqs)
-            trees.update(await self._propose([s for s in seqs if s.seq_id not in trees]))
+            trees = self.drafting.take_predrafts(seqs)
+            trees.update(await self.drafting.propose([s for s in seqs if s.seq_id not in trees]))
         elif adaptive_steps == 0:
             trees = {}  # this batch size's tier does not speculate: a plain decode step through Verify
         elif adaptive_steps is not None:
-            trees = await self._propose(seqs, (adaptive_steps, 1, adaptive_steps + 1))
+            trees = await self.drafting.propose(seqs, (adaptive_steps, 1, adaptive_steps + 1))
         else:
-            trees = await self._propose(seqs)
+            trees = await self.drafting.propose(seqs)
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if self._route_target(seq) and not seq.needs_target_prefill:
@@ -390,72 +310,13 @@ class Scheduler:
                 seq.fail(Unavailable("no target pod is reachable"))
         verifies = [self._verify_on(pod, group, trees) for pod, group in groups.items()]
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
-            verifies.append(self._predraft(self._predraft_items(seqs, trees)))
+            verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))
         await asyncio.gather(*verifies)
         if adaptive_steps is not None:
             drafted = [s for s in seqs if s.seq_id in trees]
             mean = (sum(s.accepted_draft_tokens - accepted_before[s.seq_id] for s in drafted) / len(drafted)
                     if drafted else None)
             self.adaptive.observe(len(seqs), adaptive_steps, mean)
-
-    # ---------------------------------------------------------------- overlapped drafting
-    @property
-    def _overlap_enabled(self) -> bool:
-        # Only STANDALONE guesses (draft_service Proposer._guess_next); feature drafts would also need the target
-        # features of the guessed tokens, which exist only after the verify.
-        return self.config.enable_overlap_drafting and self.spec.algorithm == "STANDALONE" and len(self.drafts) > 0
-
-    def _take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
-        """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
-        trees = {}
-        for seq in seqs:
-            predraft, seq.predraft = seq.predraft, None
-            if predraft is None:
-                continue
-            if predraft.pod is seq.draft and not self.drafts.is_down(predraft.pod) and predraft.matches(seq.committed):
-                seq.predraft_hits += 1
-                seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
-                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents)
-            else:
-                seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
-        return trees
-
-    def _predraft_items(self, seqs: list[Sequence], trees) -> dict[object, list]:
-        """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
-        by_pod: dict[object, list] = defaultdict(list)
-        for seq in seqs:
-            tokens, parents = trees.get(seq.seq_id, ([], []))
-            if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
-                continue
-            path = _first_child_path(tokens, parents)
-            committed_len = len(seq.committed)
-            item = ProposeItem(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
-                               self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens, append_guess=True)
-            by_pod[seq.draft].append((seq, committed_len, path, item))
-        return by_pod
-
-    async def _predraft(self, by_pod) -> None:
-        await asyncio.gather(*(self._predraft_on(pod, entries) for pod, entries in by_pod.items()))
-
-    async def _predraft_on(self, pod: DraftClient, entries: list) -> None:
-        try:
-            proposals = await self.metrics.timed("draft", pod.propose([item for *_, item in entries]))
-        except (PodUnavailable, ValueError) as exc:
-            if isinstance(exc, PodUnavailable):
-                self.drafts.mark_down(pod, str(exc))
-            logger.warning("pre-draft on %s failed: %s", pod.address, exc)
-            for seq, *_ in entries:
-                seq.draft, seq.draft_synced_len = None, 0
-            return
-        for (seq, committed_len, path, item), proposal in zip(entries, proposals):
-            if proposal.status == STATUS_STALE:
-                seq.draft_synced_len = 0
-                continue
-            seq.draft_synced_len = committed_len  # the real committed prefix; the guessed tail is speculative
-            if proposal.status == STATUS_OK and proposal.guessed_token_ids and (
-                    proposal.base_committed_len == item.committed_len + len(proposal.guessed_token_ids)):
-                seq.predraft = Predraft(pod, proposal.base_committed_len, [*path, *proposal.guessed_token_ids],
-                                        proposal.tree_tokens, proposal.tree_parents)
 
     async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
         items = []
@@ -491,15 +352,3 @@ class Scheduler:
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
-
-
-def _first_child_path(tokens: list[int], parents: list[int]) -> list[int]:
-    """The draft's own best guess of the accepted path: from the root, the first child in node order at every level
-    (drafts list a parent's children best first; a chain is its whole self)."""
-    path, node = [], -1
-    while True:
-        child = next((i for i, p in enumerate(parents) if p == node), None)
-        if child is None:
-            return path
-        path.append(tokens[child])
-        node = child

@@ -1,0 +1,181 @@
+"""The draft side of a gateway step: trees from the draft pods (one batched Propose per pod; sequences re-synced from
+the committed list after STALE or a pod change; feature rows for EAGLE heads; a failing pod sends its sequences to
+target-only steps) and overlapped drafting (`enable_overlap_drafting`, PEARL-style post-verify: while a step's
+Verify is in flight, each draft pod pre-drafts the next step from a guess of the outcome — the tree's first-child path
+accepted in full, then the draft's own greedy next token as the bonus — used next step only if the guess came true).
+
+The scheduler (gateway/scheduler.py) owns the loop and the sequences; this module only fills `trees` for a step and
+the sequences' draft bookkeeping (draft pod, draft_synced_len, predraft and its hit/miss counters).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+from gateway.clients import STATUS_OK, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem
+from gateway.metrics import GatewayMetrics
+from gateway.pods import PodPool
+from gateway.sequence import Predraft, Sequence
+
+logger = logging.getLogger(__name__)
+
+FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")  # tandem.args normalises NEXTN to EAGLE
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculation shape sent with every Propose; algorithm "NONE" means plain decoding through Verify."""
+
+    algorithm: str = "NONE"
+    num_steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+    @property
+    def needs_features(self) -> bool:
+        """Feature-based drafts need the target's hidden states of every committed token."""
+        return self.algorithm in FEATURE_ALGORITHMS
+
+
+class Drafting:
+    def __init__(self, pool: PodPool, spec: SpecConfig, metrics: GatewayMetrics, enable_overlap: bool) -> None:
+        self.pool = pool
+        self.spec = spec
+        self.metrics = metrics
+        self.enable_overlap = enable_overlap
+
+    async def propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
+                       ) -> dict[str, tuple[list[int], list[int]]]:
+        """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
+        pod get no tree (a target-only step). shape: (steps, topk, num_draft_tokens) of this step (None = the
+        configured one)."""
+        if not self.spec.enabled or not len(self.pool):
+            return {}
+        if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
+            seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
+        groups: dict[object, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            if seq.draft is None or self.pool.is_down(seq.draft):
+                seq.draft = self.pool.route(seq.seq_id)
+                seq.draft_synced_len = 0
+            if seq.draft is not None:
+                groups[seq.draft].append(seq)
+        trees: dict[str, tuple[list[int], list[int]]] = {}
+        for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
+            trees.update(part)
+        return trees
+
+    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
+                          ) -> dict[str, tuple[list[int], list[int]]]:
+        steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
+        try:
+            unsynced = [s for s in seqs if s.draft_synced_len == 0]
+            if unsynced:
+                statuses = await pod.prefill([(s.seq_id, s.committed[:], self.features(s, 0)) for s in unsynced])
+                for seq, status in zip(unsynced, statuses):
+                    if status == STATUS_OK:
+                        seq.draft_synced_len = len(seq.committed)
+            ready = [s for s in seqs if s.draft_synced_len > 0]
+            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], steps, topk, ndt,
+                                 self.features(s, s.draft_synced_len - 1)) for s in ready]
+            proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
+        except (PodUnavailable, ValueError) as exc:
+            if isinstance(exc, PodUnavailable):
+                self.pool.mark_down(pod, str(exc))
+            logger.warning("draft pod %s unusable, these sequences step target-only: %s", pod.address, exc)
+            for seq in seqs:
+                seq.draft, seq.draft_synced_len = None, 0
+            return {}
+        trees = {}
+        by_id = {s.seq_id: s for s in ready}
+        for proposal in proposals:
+            seq = by_id[proposal.seq_id]
+            if proposal.status == STATUS_STALE:
+                seq.draft_synced_len = 0
+            elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
+                seq.draft_synced_len = len(seq.committed)
+                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents)
+        return trees
+
+    def features(self, seq: Sequence, start: int):
+        """Feature rows [start, L-1) of a sequence with L committed tokens; None for token-only drafts."""
+        if not self.spec.needs_features:
+            return None
+        return seq.features.slice(start, len(seq.committed) - 1)
+
+    # ---------------------------------------------------------------- overlapped drafting
+    @property
+    def overlap_enabled(self) -> bool:
+        # Only STANDALONE guesses (draft_service Proposer._guess_next); feature drafts would also need the target
+        # features of the guessed tokens, which exist only after the verify.
+        return self.enable_overlap and self.spec.algorithm == "STANDALONE" and len(self.pool) > 0
+
+    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+        """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
+        trees = {}
+        for seq in seqs:
+            predraft, seq.predraft = seq.predraft, None
+            if predraft is None:
+                continue
+            if predraft.pod is seq.draft and not self.pool.is_down(predraft.pod) and predraft.matches(seq.committed):
+                seq.predraft_hits += 1
+                seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
+                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents)
+            else:
+                seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
+        return trees
+
+    def predraft_items(self, seqs: list[Sequence], trees) -> dict[object, list]:
+        """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
+        by_pod: dict[object, list] = defaultdict(list)
+        for seq in seqs:
+            tokens, parents = trees.get(seq.seq_id, ([], []))
+            if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
+                continue
+            path = _first_child_path(tokens, parents)
+            committed_len = len(seq.committed)
+            item = ProposeItem(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
+                               self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens, append_guess=True)
+            by_pod[seq.draft].append((seq, committed_len, path, item))
+        return by_pod
+
+    async def predraft(self, by_pod) -> None:
+        await asyncio.gather(*(self._predraft_on(pod, entries) for pod, entries in by_pod.items()))
+
+    async def _predraft_on(self, pod: DraftClient, entries: list) -> None:
+        try:
+            proposals = await self.metrics.timed("draft", pod.propose([item for *_, item in entries]))
+        except (PodUnavailable, ValueError) as exc:
+            if isinstance(exc, PodUnavailable):
+                self.pool.mark_down(pod, str(exc))
+            logger.warning("pre-draft on %s failed: %s", pod.address, exc)
+            for seq, *_ in entries:
+                seq.draft, seq.draft_synced_len = None, 0
+            return
+        for (seq, committed_len, path, item), proposal in zip(entries, proposals):
+            if proposal.status == STATUS_STALE:
+                seq.draft_synced_len = 0
+                continue
+            seq.draft_synced_len = committed_len  # the real committed prefix; the guessed tail is speculative
+            if proposal.status == STATUS_OK and proposal.guessed_token_ids and (
+                    proposal.base_committed_len == item.committed_len + len(proposal.guessed_token_ids)):
+                seq.predraft = Predraft(pod, proposal.base_committed_len, [*path, *proposal.guessed_token_ids],
+                                        proposal.tree_tokens, proposal.tree_parents)
+
+
+def _first_child_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """The draft's own best guess of the accepted path: from the root, the first child in node order at every level
+    (drafts list a parent's children best first; a chain is its whole self)."""
+    path, node = [], -1
+    while True:
+        child = next((i for i, p in enumerate(parents) if p == node), None)
+        if child is None:
+            return path
+        path.append(tokens[child])
+        node = child
