@@ -53,6 +53,7 @@ class VerifyItem:
     sampling: RequestSampling
     stop: SeqStop
     return_features: bool = False
+    num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
 
 
 @dataclass
@@ -67,6 +68,7 @@ class StepResult:
     num_draft_tokens: int = 0
     error: str = ""
     features: FeatureRows | None = None  # target features of the tokens that gained KV (feature drafts)
+    num_steps: int = 1  # target forward steps covered (continuous decode: several)
 
 
 @dataclass
@@ -251,11 +253,13 @@ class TargetClient(_Client):
         request = pb.VerifyRequest(seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
                          tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents),
-                         sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features)
+                         sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
+                         num_decode_steps=i.num_decode_steps)
             for i in items])
         response = await self.verify_stream(request)
         return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, r.num_accepted_drafts,
-                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden)) for r in response.results]
+                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden), max(1, r.num_steps))
+                for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
@@ -281,7 +285,8 @@ class DraftClient(_Client):
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
-                          hidden=_features_to_pb(i.features), spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
+                          hidden=_features_to_pb(i.features),
+                          spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
                           append_guess=i.append_guess)
             for i in items])
         response = await self.propose_stream(request)

@@ -45,10 +45,15 @@ class SchedulerConfig:
     max_pod_failures: int = 3  # pod failures one request survives (each moves it to another pod)
     max_prompt_tokens: int | None = None  # longer prompts are refused (400); None = only the context bounds them
     enable_overlap_drafting: bool = False  # pre-draft step i+1 during Verify(step i) (token-only drafts)
+    # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
+    # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
+    num_continuous_decode_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
             raise ValueError("max_running_requests >= 1, max_queued_requests >= 0, request_timeout_s > 0")
+        if not 1 <= self.num_continuous_decode_steps <= 256:
+            raise ValueError(f"num_continuous_decode_steps must be in 1..256, got {self.num_continuous_decode_steps}")
 
 
 class Scheduler:
@@ -320,10 +325,12 @@ class Scheduler:
 
     async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
         items = []
+        decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
             tokens, parents = trees.get(seq.seq_id, ([], []))
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
-                                    seq.params.sampling, seq.stop, self.spec.needs_features))
+                                    seq.params.sampling, seq.stop, self.spec.needs_features,
+                                    decode_steps if not tokens else 1))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:
@@ -347,7 +354,7 @@ class Scheduler:
             elif result.status != STATUS_OK:
                 seq.fail(GatewayError(f"target rejected the step: {result.error}"))
             else:
-                seq.record_step(result.num_accepted_drafts, result.num_draft_tokens)
+                seq.record_step(result.num_accepted_drafts, result.num_draft_tokens, result.num_steps)
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)

@@ -58,8 +58,9 @@ class Sequence:
     def num_output(self) -> int:
         return len(self.committed) - self.prompt_len
 
-    def record_step(self, num_accepted: int, num_proposed: int) -> None:
-        self.verify_steps += 1
+    def record_step(self, num_accepted: int, num_proposed: int, num_steps: int = 1) -> None:
+        """num_steps: target forwards the result covered (a continuous decode covers several)."""
+        self.verify_steps += num_steps
         self.accepted_draft_tokens += num_accepted
         self.proposed_draft_tokens += num_proposed
 

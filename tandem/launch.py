@@ -125,6 +125,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--enable-overlap-drafting"]
     if getattr(args, "disable_step_streams", False):
         gateway += ["--disable-step-streams"]
+    if getattr(args, "num_continuous_decode_steps", 1) != 1:
+        gateway += ["--num-continuous-decode-steps", str(args.num_continuous_decode_steps)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:

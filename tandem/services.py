@@ -223,13 +223,16 @@ async def run_gateway(args: argparse.Namespace) -> None:
             adaptive = AdaptiveSpec(load_config(args.speculative_adaptive_config, spec.num_steps), spec.num_steps)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
+    try:
+        config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
+                                 max_prompt_tokens=args.max_prompt_tokens,
+                                 enable_overlap_drafting=args.enable_overlap_drafting,
+                                 num_continuous_decode_steps=args.num_continuous_decode_steps)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
-                          spec=spec, config=SchedulerConfig(args.max_running_requests, args.max_queued_requests,
-                                                            args.request_timeout,
-                                                            max_prompt_tokens=args.max_prompt_tokens,
-                                                            enable_overlap_drafting=args.enable_overlap_drafting),
-                          adaptive=adaptive)
+                          spec=spec, config=config, adaptive=adaptive)
     await scheduler.start()
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):

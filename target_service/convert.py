@@ -5,7 +5,7 @@ from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_to_pb
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, StepOutput, StopRule, VerifyInput
+from target_service.engine import MAX_DECODE_STEPS, PrefillInput, StepOutput, StopRule, VerifyInput
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -31,9 +31,12 @@ def prefill_inputs(request: pb.TargetPrefillRequest) -> list[PrefillInput]:
 
 
 def verify_inputs(request: pb.VerifyRequest) -> list[VerifyInput]:
+    too_many = [s.num_decode_steps for s in request.seqs if s.num_decode_steps > MAX_DECODE_STEPS]
+    if too_many:
+        raise ValueError(f"num_decode_steps {max(too_many)} exceeds {MAX_DECODE_STEPS}")
     return [VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
                         tree=tree_from_pb(s.tree), sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop),
-                        return_features=s.return_hidden)
+                        return_features=s.return_hidden, num_decode_steps=max(1, s.num_decode_steps))
             for s in request.seqs]
 
 
@@ -48,7 +51,7 @@ def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
 def verify_result(out: StepOutput) -> pb.VerifyResult:
     msg = pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
                           num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
-                          finish_reason=int(out.finish), error=out.error)
+                          finish_reason=int(out.finish), error=out.error, num_steps=out.num_steps)
     if out.features is not None:
         msg.hidden.CopyFrom(tensor_to_pb(out.features))
     return msg

@@ -7,6 +7,8 @@ pending root of the next verify.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams, process_logits
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
+
+MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
 
 
 class Status(enum.IntEnum):  # values equal tandem.v1.SeqStatus
@@ -61,6 +65,7 @@ class VerifyInput:
     sampling: SamplingParams
     stop: StopRule
     return_features: bool = False
+    num_decode_steps: int = 1  # empty tree only: decode steps run back to back in this call
 
 
 @dataclass
@@ -75,6 +80,7 @@ class StepOutput:
     # Target features of the tokens that gained KV in this call (feature-based drafts): prefill → one row per
     # prompt token; verify → the root and the accepted drafts. Row i is the feature of the i-th such token.
     features: torch.Tensor | None = None  # (rows, feature_dim)
+    num_steps: int = 1  # target forward steps this output covers (continuous decode: up to num_decode_steps)
 
 
 @dataclass
@@ -150,6 +156,40 @@ class TargetEngine:
         return outputs
 
     def verify(self, inputs: list[VerifyInput]) -> list[StepOutput]:
+        """One verify forward for the batch; then, for plain decodes asking num_decode_steps > 1 (SGLang's
+        --num-continuous-decode-steps), more decode forwards back to back, each fed the token the last one emitted,
+        until each such sequence has its steps, stops, or a step fails (it keeps what the earlier steps emitted)."""
+        for inp in inputs:
+            if not 1 <= inp.num_decode_steps <= MAX_DECODE_STEPS:
+                raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}, got {inp.num_decode_steps}")
+        outputs = self._verify_once(inputs)
+        forward_ms = self.last_forward_ms
+        more = [(inp, out) for inp, out in zip(inputs, outputs) if inp.num_decode_steps > 1 and not inp.tree.token_ids]
+        while True:
+            more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
+                    and out.token_ids and out.num_steps < inp.num_decode_steps and inp.seq_id in self._seqs]
+            if not more:
+                break
+            nexts = []
+            for inp, _ in more:
+                tokens = self._seqs[inp.seq_id].token_ids
+                nexts.append(dataclasses.replace(inp, committed_len=len(tokens), root_token_id=tokens[-1]))
+            failed = set()
+            for (inp, out), step in zip(more, self._verify_once(nexts)):
+                if step.status != Status.OK:  # e.g. out of KV: keep what the earlier steps emitted, stop here
+                    failed.add(inp.seq_id)
+                    continue
+                out.token_ids += step.token_ids
+                out.finish = step.finish
+                out.num_steps += 1
+                if step.features is not None and out.features is not None:
+                    out.features = torch.cat([out.features, step.features])
+            more = [(inp, out) for inp, out in more if inp.seq_id not in failed]
+            forward_ms += self.last_forward_ms
+        self.last_forward_ms = forward_ms
+        return outputs
+
+    def _verify_once(self, inputs: list[VerifyInput]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         forwards: list[tuple[VerifyInput, SeqForward]] = []
         budget = self.runner.num_free_tokens()

@@ -42,7 +42,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
-                      dtype: str = "float32"):
+                      dtype: str = "float32", num_continuous_decode_steps: int = 1):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA)."""
     from draft_service.server import serve_draft
@@ -85,7 +85,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
                           config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
-                                                 enable_overlap_drafting=enable_overlap_drafting),
+                                                 enable_overlap_drafting=enable_overlap_drafting,
+                                                 num_continuous_decode_steps=num_continuous_decode_steps),
                           adaptive=adaptive)
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions

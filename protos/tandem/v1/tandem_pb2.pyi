@@ -171,7 +171,7 @@ class TargetPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TargetPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class VerifySeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_hidden")
+    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_hidden", "num_decode_steps")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class VerifySeq(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     root_token_id: int
@@ -186,7 +187,8 @@ class VerifySeq(_message.Message):
     sampling: SamplingParams
     stop: StopParams
     return_hidden: bool
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    num_decode_steps: int
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -195,7 +197,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "hidden", "error")
+    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "hidden", "error", "num_steps")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +206,7 @@ class VerifyResult(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -212,7 +215,8 @@ class VerifyResult(_message.Message):
     finish_reason: FinishReason
     hidden: Tensor
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")

@@ -1,0 +1,105 @@
+"""--num-continuous-decode-steps: plain decode steps run back to back inside one Verify call. Same tokens as one step
+per call (greedy == HF), stops and length limits cut a chunk short, features cover every emitted token, accept
+accounting counts target forwards (not calls), and bad values are refused with INVALID_ARGUMENT / a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.model_runner import ModelRunner
+from runtime.sampling import SamplingParams
+from runtime.speculative.tree import DraftTree
+from target_service.engine import Finish, PrefillInput, Status, StopRule, TargetEngine, VerifyInput
+from tests.stack import generate_ids, local_stack
+from tests.tiny_models import make_tiny_model
+
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("cont"))
+
+
+def _engine(path, **kw) -> TargetEngine:
+    return TargetEngine(ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=4096)), **kw)
+
+
+def _start(engine: TargetEngine, max_new: int = 64, stop_ids=frozenset()) -> tuple[list[int], StopRule]:
+    stop = StopRule(max_new, stop_token_ids=stop_ids, prompt_len=len(PROMPT))
+    out = engine.prefill([PrefillInput("s", PROMPT, True, SamplingParams(temperature=0.0), stop, return_features=True)])
+    return [*PROMPT, *out[0].token_ids], stop
+
+
+def _decode(engine, committed, stop, steps):
+    return engine.verify([VerifyInput("s", len(committed), committed[-1], DraftTree([], []), SamplingParams(temperature=0.0), stop,
+                                      return_features=True, num_decode_steps=steps)])[0]
+
+
+def test_one_call_of_k_steps_equals_k_calls_of_one(tiny):
+    one, many = _engine(tiny, final_norm_features=True), _engine(tiny, final_norm_features=True)
+    c1, stop = _start(one)
+    c2, _ = _start(many)
+    for _ in range(7):
+        out = _decode(one, c1, stop, 1)
+        c1 += out.token_ids
+    out = _decode(many, c2, stop, 7)
+    assert out.status == Status.OK and out.num_steps == 7 and len(out.token_ids) == 7
+    assert [*c2, *out.token_ids] == c1
+    assert out.features is not None and out.features.shape[0] == 7  # one feature row per token that gained KV
+
+
+def test_length_and_stop_tokens_cut_the_chunk(tiny):
+    engine = _engine(tiny)
+    committed, _ = _start(engine)
+    free = engine.verify([VerifyInput("s", len(committed), committed[-1], DraftTree([], []), SamplingParams(temperature=0.0),
+                                      StopRule(64, prompt_len=len(PROMPT)), num_decode_steps=6)])[0]
+    assert len(free.token_ids) == 6 and free.finish == Finish.NONE
+    engine = _engine(tiny)
+    committed, stop = _start(engine, max_new=4)  # 1 token from prefill: 3 more fit
+    out = _decode(engine, committed, stop, 10)
+    assert len(out.token_ids) == 3 and out.finish == Finish.LENGTH and out.num_steps == 3
+    engine = _engine(tiny)
+    stop_token = free.token_ids[2]
+    committed, stop = _start(engine, stop_ids=frozenset({stop_token}))
+    out = _decode(engine, committed, stop, 10)
+    assert out.finish == Finish.STOP and out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
+
+
+async def test_through_the_services_greedy_equals_hf_and_steps_count_forwards(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=21, min_new_tokens=21,
+                              do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    async with local_stack(tiny, num_continuous_decode_steps=4) as scheduler:
+        out, usage, _ = await generate_ids(scheduler, PROMPT, 21)
+    assert out == want
+    assert usage.verify_steps + 1 == usage.completion_tokens  # tau 1: forwards counted, not calls
+
+
+async def test_bad_step_counts_are_refused(tiny):
+    from gateway.clients import SeqStop, VerifyItem
+    from gateway.scheduler import SchedulerConfig
+    from gateway.types import RequestSampling
+
+    with pytest.raises(ValueError, match="num_continuous_decode_steps"):
+        SchedulerConfig(num_continuous_decode_steps=0)
+    async with local_stack(tiny) as scheduler:
+        target = scheduler.targets.clients[0]
+        item = VerifyItem("nobody", 2, 1, [], [], RequestSampling(temperature=0.0), SeqStop(8, [], False, 1), num_decode_steps=1000)
+        with pytest.raises(ValueError, match="num_decode_steps 1000 exceeds"):
+            await target.verify([item])
+
+
+def test_flag_reaches_the_gateway_only():
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    args = build_parser().parse_args(["serve", "--num-continuous-decode-steps", "4"])
+    cmds = commands(args)
+    assert "--num-continuous-decode-steps" in cmds["gateway"]
+    assert all("--num-continuous-decode-steps" not in c for name, c in cmds.items() if name != "gateway")
