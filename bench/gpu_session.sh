@@ -1,0 +1,67 @@
+#!/bin/bash
+# The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
+# the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
+#   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
+# Stages: tests decode spec_inproc spec_services serve_decode eval accept flashinfer rpc (default: all, in order).
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+OUT=${OUT:-/tmp/out}; R=/tmp/gpu_session; mkdir -p "$R" "$OUT"; T0=$(date +%s)
+stage() { echo "=== $1 at $(( $(date +%s) - T0 ))s"; }
+fin() { tar czf "$OUT/results.tgz" -C "$R" . ; }
+STAGES="${*:-tests decode spec_inproc spec_services serve_decode eval accept flashinfer rpc}"
+M=models/tandem-demo-code
+for s in $STAGES; do
+  stage "$s"
+  case $s in
+    tests)  # correctness first: kernels, graphs, fused kernels, lossless through the step path on CUDA
+      timeout -s INT 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \
+        --ignore=tests/gpu/test_flashinfer_backend_gpu.py > "$R/gpu_tests.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR" "$R/gpu_tests.log" | tail -15 ;;
+    decode)  # 8B in-process: graphs/eager vs HF vs ceiling, verify-16 ratio (eager should be back near 22 ms)
+      timeout 150 python3 bench/decode.py --steps 32 --out-dir "$R/decode" > "$R/decode.log" 2>&1
+      cat "$R/decode/results.md" ;;
+    spec_inproc)  # synthetic acceptance; draft time was 77-196 ms/step before the fused-in-graphs-only fix
+      timeout 200 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 64 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
+      cat "$R/spec_inproc/results.md" 2>/dev/null || tail -20 "$R/spec_inproc.log" ;;
+    spec_services)  # efficiency through gRPC (and AR through the gateway)
+      timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --batch-sizes 1 --configs 8/8/60@6 \
+        --out-dir "$R/spec_services" > "$R/spec_services.log" 2>&1
+      cat "$R/spec_services/results.md" 2>/dev/null || tail -20 "$R/spec_services.log" ;;
+    serve_decode)  # AR batch 1 through gateway + gRPC (target >= 210 tok/s), one and four steps per call
+      for k in 1 4; do
+        timeout 120 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --out-dir "$R/serve_decode_k$k" \
+          -- --cuda-graph-max-bs 4 --num-continuous-decode-steps $k > "$R/serve_decode_k$k.log" 2>&1
+        cat "$R/serve_decode_k$k/results.md" 2>/dev/null || tail -5 "$R/serve_decode_k$k.log"
+      done ;;
+    eval)  # the demo family: every method's tau + batch-1 tok/s + HF generate/assisted/prompt lookup, one run
+      timeout 260 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
+        --prompts $M/heldout_prompts.jsonl --device cuda --temperatures 0 1 --speed-prompts 5 \
+        --out "$R/spec_eval_h200.json" > "$R/spec_eval.log" 2>&1
+      cat "$R/spec_eval_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval.log" ;;
+    accept)  # the same family through the services (three processes, gRPC Generate)
+      timeout 200 python3 bench/accept.py --num-prompts 5 --max-new-tokens 64 --configs AR EAGLE3-tree EAGLE-tree \
+        STANDALONE-tree NGRAM --out "$R/accept_h200.json" -- --device cuda --cuda-graph-max-bs 4 > "$R/accept.log" 2>&1
+      tail -8 "$R/accept.log" ;;
+    flashinfer)
+      timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
+        > "$R/flashinfer.log" 2>&1
+      tail -5 "$R/flashinfer.log"
+      timeout 120 python3 bench/decode.py --attention-backend flashinfer --batch-sizes 1 8 32 --steps 32 --skip-hf \
+        --out-dir "$R/decode_flashinfer" > "$R/decode_flashinfer.log" 2>&1
+      cat "$R/decode_flashinfer/results.md" 2>/dev/null ;;
+    rpc)
+      timeout 60 python3 bench/rpc_overhead.py --device cuda:0 --iters 1000 --out "$R/rpc_overhead.json" \
+        > "$R/rpc.log" 2>&1
+      tail -8 "$R/rpc.log" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+  fin
+done
+stage done
