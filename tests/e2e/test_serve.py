@@ -196,3 +196,40 @@ def test_ngram_stack_and_clean_shutdown():
         assert resp.usage.completion_tokens == 30
     finally:
         assert s.stop() == 0
+
+
+def test_adaptive_speculation_and_continuous_decode_through_real_processes():
+    """--speculative-adaptive and --num-continuous-decode-steps reach the right processes and keep greedy == HF, alone
+    (the bs>=1 tier drafts) and with eight concurrent streams (the bs>=8 tier, candidates [0, 1, 3]; whatever plain
+    decodes happen run three steps per Verify call)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
+    prompts = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ", "import os\n\n\ndef "]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+    s = Stack("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4", "--speculative-adaptive", "--num-continuous-decode-steps", "3")
+    try:
+        s.wait_ready()
+        c = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", _strict_response_validation=True,
+                          max_retries=0, timeout=120)
+
+        def complete(prompt: str):
+            return c.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True})
+
+        solo = complete(prompts[0])  # batch 1: the [1, 3] tier drafts
+        assert solo.choices[0].text == expected[0]
+        assert solo.usage.completion_tokens_details.accepted_prediction_tokens > 0
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            batch = list(pool.map(complete, [prompts[i % 3] for i in range(8)]))
+        assert [r.choices[0].text for r in batch] == [expected[i % 3] for i in range(8)]
+    finally:
+        assert s.stop() == 0
