@@ -96,11 +96,11 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         yield scheduler
     finally:
         await scheduler.close()
-        for s in servers:
-            await s.stop(grace=None)
-        await target.close()
+        await target.close()  # clients first: their open step streams end before the servers go away
         if draft:
             await draft.close()
+        for s in servers:
+            await s.stop(grace=None)
 
 
 async def generate_ids(scheduler: Scheduler, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
