@@ -165,6 +165,7 @@ class TargetEngine:
         outputs = self._verify_once(inputs)
         forward_ms = self.last_forward_ms
         more = [(inp, out) for inp, out in zip(inputs, outputs) if inp.num_decode_steps > 1 and not inp.tree.token_ids]
+        forward_ms += self._pipelined_steps(more)
         while True:
             more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
                     and out.token_ids and out.num_steps < inp.num_decode_steps and inp.seq_id in self._seqs]
@@ -188,6 +189,39 @@ class TargetEngine:
             forward_ms += self.last_forward_ms
         self.last_forward_ms = forward_ms
         return outputs
+
+    def _pipelined_steps(self, more: list[tuple[VerifyInput, StepOutput]]) -> float:
+        """Continuous decode of greedy sequences on CUDA graphs with the token fed on the device
+        (runtime/pipelined_decode.py): as many steps as every such sequence still wants and may emit, host work
+        overlapped with the GPU and one readback; the sequential loop in `verify` does whatever is left. Returns the
+        milliseconds spent."""
+        from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
+
+        group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
+                 and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.seq_id in self._seqs]
+        if not group or not can_pipeline(self.runner, [inp.seq_id for inp, _ in group]):
+            return 0.0
+        steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
+                    min(self._room(self._seqs[inp.seq_id]) for inp, _ in group))
+        if steps < 2:
+            return 0.0
+        start = time.perf_counter()
+        tokens = greedy_decode_steps(self.runner, [inp.seq_id for inp, _ in group],
+                                     [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps)
+        for (inp, out), emitted in zip(group, tokens):
+            if not emitted:
+                continue
+            step = StepOutput(inp.seq_id)
+            self._commit(step, self._seqs[inp.seq_id], emitted)  # a cut (stop, length) finishes and frees the seq
+            out.token_ids += step.token_ids
+            out.finish = step.finish
+            out.num_steps += len(step.token_ids)
+        return (time.perf_counter() - start) * 1e3
+
+    def _room(self, seq: _Seq) -> int:
+        """Tokens this sequence may still emit before its length limit or the context end."""
+        generated = len(seq.token_ids) - seq.stop.prompt_len
+        return min(seq.stop.max_new_tokens - generated, self.max_context_len - len(seq.token_ids))
 
     def _verify_once(self, inputs: list[VerifyInput]) -> list[StepOutput]:
         outputs: list[StepOutput] = []

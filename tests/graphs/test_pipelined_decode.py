@@ -1,0 +1,110 @@
+"""Pipelined greedy decode (runtime/pipelined_decode.py) through the graph runner's real buffers (fake capture, see
+fake_graphs.py): the device-fed token chain gives exactly the tokens of one decode forward per step, the KV it leaves
+behind is the same (later forwards agree), buckets pad, and TargetEngine's --num-continuous-decode-steps takes the
+pipelined path for greedy batches, cutting at stops and length like the step-by-step loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.model_runner import ModelRunner, SeqForward
+from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
+from runtime.sampling import SamplingParams
+from runtime.speculative.tree import DraftTree
+from target_service.engine import Finish, PrefillInput, Status, StopRule, TargetEngine, VerifyInput
+from tests.graphs.fake_graphs import install_fake_graphs
+from tests.tiny_models import make_tiny_model
+
+PROMPTS = [[5, 17, 42, 7, 99, 3], [8, 1, 250, 60], [33, 34, 35, 36, 37, 38, 39]]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("pipelined"))
+
+
+def _runner(path: str, graphs: bool) -> ModelRunner:
+    runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", attention_backend="triton", block_size=4,
+                                            max_total_tokens=2048, cuda_graph_max_bs=4))
+    if graphs:
+        install_fake_graphs(runner, sizes=[1, 2, 4])
+    return runner
+
+
+def _prefill(runner: ModelRunner) -> list[int]:
+    for i, p in enumerate(PROMPTS):
+        runner.add_seq(f"s{i}")
+    out = runner.forward([SeqForward(f"s{i}", p[:-1]) for i, p in enumerate(PROMPTS)])
+    del out
+    return [p[-1] for p in PROMPTS]  # the pending last tokens (no KV yet)
+
+
+def test_device_fed_chain_equals_one_forward_per_step(llama):
+    ref, pipe = _runner(llama, graphs=False), _runner(llama, graphs=True)
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    last_ref, last_pipe = _prefill(ref), _prefill(pipe)
+    want = [[] for _ in ids]
+    for _ in range(6):
+        out = ref.forward([SeqForward(s, [t]) for s, t in zip(ids, last_ref)])
+        last_ref = [int(row[-1].argmax()) for row in out.logits]
+        for w, t in zip(want, last_ref):
+            w.append(t)
+    assert can_pipeline(pipe, ids)
+    before = pipe.graph_runner.num_replays()
+    got = greedy_decode_steps(pipe, ids, last_pipe, 6)
+    assert got == want
+    assert pipe.graph_runner.num_replays() - before == 6  # every step replayed a graph (3 sequences -> bucket 4)
+    assert [pipe.kv_len(s) for s in ids] == [ref.kv_len(s) for s in ids]
+    # The KV the chain wrote is the KV step-by-step decoding writes: the next forward agrees.
+    nxt = [w[-1] for w in want]
+    a = ref.forward([SeqForward(s, [t]) for s, t in zip(ids, nxt)])
+    b = pipe.forward([SeqForward(s, [t]) for s, t in zip(ids, nxt)])
+    assert torch.allclose(torch.cat(a.logits), torch.cat(b.logits), atol=1e-4)
+
+
+def test_no_graphs_or_open_tree_region_means_no_pipeline(llama):
+    eager = _runner(llama, graphs=False)
+    _prefill(eager)
+    assert not can_pipeline(eager, ["s0"])
+    pipe = _runner(llama, graphs=True)
+    _prefill(pipe)
+    pipe.forward([SeqForward("s0", [1, 2], parents=[-1, 0], logits="all")])  # an open tree region
+    assert not can_pipeline(pipe, ["s0"]) and can_pipeline(pipe, ["s1"])
+
+
+def _engine(path: str, graphs: bool) -> TargetEngine:
+    return TargetEngine(_runner(path, graphs))
+
+
+def _run(engine: TargetEngine, steps: int, max_new: int, stop_ids=frozenset()):
+    stops = [StopRule(max_new, stop_token_ids=stop_ids, prompt_len=len(p)) for p in PROMPTS]
+    pre = engine.prefill([PrefillInput(f"s{i}", p, True, GREEDY, stops[i]) for i, p in enumerate(PROMPTS)])
+    committed = [[*p, *o.token_ids] for p, o in zip(PROMPTS, pre)]
+    outs = engine.verify([VerifyInput(f"s{i}", len(c), c[-1], DraftTree([], []), GREEDY, stops[i],
+                                      num_decode_steps=steps) for i, c in enumerate(committed)])
+    return [o.token_ids for o in pre], outs
+
+
+def test_engine_continuous_decode_takes_the_pipelined_path_and_matches(llama, monkeypatch):
+    import runtime.pipelined_decode as pd
+
+    calls = []
+    real = pd.greedy_decode_steps
+    monkeypatch.setattr(pd, "greedy_decode_steps", lambda *a: calls.append(a[3]) or real(*a))
+    _, want = _run(_engine(llama, graphs=False), 8, 64)
+    _, got = _run(_engine(llama, graphs=True), 8, 64)
+    assert calls == [7]  # the first step is the plain verify, the other 7 are pipelined
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.status == Status.OK and o.num_steps == 8 and len(o.token_ids) == 8 for o in got)
+
+
+def test_engine_pipelined_run_cuts_at_stop_and_length(llama):
+    first, free = _run(_engine(llama, graphs=True), 8, 64)
+    stop_token = free[1].token_ids[3]
+    _, cut = _run(_engine(llama, graphs=True), 8, 64, stop_ids=frozenset({stop_token}))
+    assert cut[1].finish == Finish.STOP and cut[1].token_ids == free[1].token_ids[:4]
+    _, short = _run(_engine(llama, graphs=True), 8, 5)  # 1 token from prefill, 4 more fit
+    assert all(o.finish == Finish.LENGTH and len(o.token_ids) == 4 for o in short)
