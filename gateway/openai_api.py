@@ -11,20 +11,22 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import ApiKeyMiddleware
-from gateway.errors import RequestAborted, error_body, http_error
+from gateway.errors import error_body, http_error
 from gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
+from gateway.openai_fanout import fan_out, merge
+from gateway.openai_stream import (DISCONNECTED, SSEResponse, close_stream, collect, collect_n, first_chunk,
+                                    sse_events, sse_events_n, unless_disconnected)
 from gateway.openai_protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
@@ -35,15 +37,12 @@ from gateway.openai_protocol import (
 )
 from gateway.tokenizer import Tokenizer
 from gateway.types import (
-    FinishReason,
     GatewayError,
-    GenerateChunk,
     GenerateParams,
     GenerationBackend,
     InvalidRequest,
     ModelNotFound,
     RequestSampling,
-    Usage,
 )
 
 log = logging.getLogger(__name__)
@@ -174,21 +173,41 @@ class _OpenAIServer:
 
     async def _respond(self, request: Request, req: _SamplingRequest, params: GenerateParams,
                        fmt: ResponseFormatter) -> Response:
+        if req.n > 1:
+            return await self._respond_n(request, req, params, fmt)
         chunks = self.backend.generate(params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # Wait for the first chunk before sending headers, so admission errors keep their HTTP status.
-            first = await _unless_disconnected(request, _first_chunk(chunks))
-            if first is _DISCONNECTED:
-                await _close(chunks)
+            first = await unless_disconnected(request, first_chunk(chunks))
+            if first is DISCONNECTED:
+                await close_stream(chunks)
                 return Response(status_code=499)
-            return _SSEResponse(_sse_events(chunks, first, fmt, include_usage),
+            return SSEResponse(sse_events(chunks, first, fmt, include_usage),
                                 media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        result = await _unless_disconnected(request, _collect(chunks))
-        if result is _DISCONNECTED:
+        result = await unless_disconnected(request, collect(chunks))
+        if result is DISCONNECTED:
             return Response(status_code=499)
         text, finish, usage = result
         return JSONResponse(fmt.response(text, finish, usage))
+
+    async def _respond_n(self, request: Request, req: _SamplingRequest, params: GenerateParams,
+                         fmt: ResponseFormatter) -> Response:
+        """n > 1: n generations (gateway/openai_fanout.py) merged into one response or one indexed SSE stream."""
+        merged = merge([self.backend.generate(p) for p in fan_out(params, req.n)])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            first = await unless_disconnected(request, first_chunk(merged))
+            if first is DISCONNECTED:
+                await close_stream(merged)
+                return Response(status_code=499)
+            return SSEResponse(sse_events_n(merged, first, fmt, include_usage, req.n),
+                                media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        result = await unless_disconnected(request, collect_n(merged, req.n))
+        if result is DISCONNECTED:
+            return Response(status_code=499)
+        choices, usage = result
+        return JSONResponse(fmt.response_choices(choices, usage))
 
     def _params(self, req: _SamplingRequest, id_prefix: str, prompt_ids: list[int], max_tokens: int | None,
                 default_max_tokens: int | None, prompt_param: str) -> GenerateParams:
@@ -287,134 +306,6 @@ class _OpenAIServer:
         if inspect.isawaitable(result):
             result = await result
         return bool(result)
-
-
-# ---------------------------------------------------------------------------------------------- streaming
-class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client going away (Starlette skips that for ASGI 2.4
-    servers and only notices on the next write) and then closes the body iterator, which closes the backend's."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-write
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await _close(self.body_iterator)
-
-
-async def _sse_events(chunks: AsyncIterator[GenerateChunk], first: GenerateChunk, fmt: ResponseFormatter,
-                      include_usage: bool) -> AsyncIterator[str]:
-    try:
-        role = fmt.role_chunk()
-        if role is not None:
-            yield _sse(role)
-        chunk: GenerateChunk | None = first
-        while chunk is not None:
-            if chunk.finish_reason is None:
-                if chunk.text:
-                    yield _sse(fmt.text_chunk(chunk.text))
-                chunk = await anext(chunks, None)
-                continue
-            finish = _finish_reason(chunk)
-            if chunk.text:
-                yield _sse(fmt.text_chunk(chunk.text))
-            yield _sse(fmt.text_chunk("", finish))
-            if include_usage:
-                yield _sse(fmt.usage_chunk(chunk.usage or Usage(0, 0)))
-            break
-        else:
-            raise RuntimeError("the backend ended the stream without a finish reason")
-    except GatewayError as exc:
-        yield _sse(http_error(exc)[1])
-    except Exception as exc:
-        log.exception("error while streaming", exc_info=exc)
-        yield _sse(error_body("internal server error", "internal_error"))
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _close(chunks)
-    yield "data: [DONE]\n\n"
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-# ---------------------------------------------------------------------------------------------- private helpers
-_DISCONNECTED = object()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work` unless the client disconnects first (then `work` is cancelled and _DISCONNECTED returned)."""
-    outcome: list[Any] = [_DISCONNECTED]
-    failure: list[BaseException] = []
-
-    async with anyio.create_task_group() as tg:
-        async def run() -> None:
-            try:
-                outcome[0] = await work
-            except Exception as exc:
-                failure.append(exc)
-            tg.cancel_scope.cancel()
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(run)
-        tg.start_soon(watch)
-    if failure:
-        raise failure[0]
-    return outcome[0]
-
-
-async def _first_chunk(chunks: AsyncIterator[GenerateChunk]) -> GenerateChunk:
-    try:
-        return await anext(chunks)
-    except StopAsyncIteration:
-        raise RuntimeError("the backend produced no output") from None
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _close(chunks)
-        raise
-
-
-async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[str, str, Usage]:
-    texts: list[str] = []
-    try:
-        async for chunk in chunks:
-            texts.append(chunk.text)
-            if chunk.finish_reason is not None:
-                return "".join(texts), _finish_reason(chunk), chunk.usage or Usage(0, 0)
-        raise RuntimeError("the backend ended the stream without a finish reason")
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _close(chunks)
-
-
-def _finish_reason(chunk: GenerateChunk) -> str:
-    if chunk.finish_reason == FinishReason.ABORT:
-        raise RequestAborted("the request was aborted by the server")
-    return FinishReason(chunk.finish_reason).value
-
-
-async def _close(iterator: Any) -> None:
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:
-            log.exception("error while closing a generation stream")
 
 
 async def _read_body(request: Request, max_body_bytes: int) -> bytes:

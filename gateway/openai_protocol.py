@@ -66,7 +66,6 @@ class CompletionRequest(_SamplingRequest):
 def unsupported_fields(req: _SamplingRequest) -> list[str]:
     """Names of fields set to a value this server cannot honour."""
     checks = {
-        "n": req.n != 1,
         "presence_penalty": bool(req.presence_penalty),
         "frequency_penalty": bool(req.frequency_penalty),
         "logit_bias": bool(req.logit_bias),
@@ -123,31 +122,36 @@ class ResponseFormatter:
                 "choices": choices, **extra}
 
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice], system_fingerprint=None, usage=usage_body(usage))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], system_fingerprint=None, usage=usage_body(usage))
+        return self.response_choices([(text, finish_reason)], usage)
 
-    def role_chunk(self) -> dict[str, Any] | None:
-        """The chat stream's opening chunk; legacy completions have none."""
+    def response_choices(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
+        """(text, finish_reason) per choice index (n >= 1)."""
+        if self.chat:
+            body = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                     "logprobs": None, "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
+            return self._envelope("chat.completion", body, system_fingerprint=None, usage=usage_body(usage))
+        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                for i, (text, finish) in enumerate(choices)]
+        return self._envelope("text_completion", body, system_fingerprint=None, usage=usage_body(usage))
+
+    def role_chunk(self, index: int = 0) -> dict[str, Any] | None:
+        """The chat stream's opening chunk (per choice); legacy completions have none."""
         if not self.chat:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chunk({"role": "assistant", "content": ""}, None, index)
 
-    def text_chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def text_chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            return self._chunk({"content": text} if text else {}, finish_reason)
-        return self._chunk(text, finish_reason)
+            return self._chunk({"content": text} if text else {}, finish_reason, index)
+        return self._chunk(text, finish_reason, index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage_body(usage))
 
-    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], usage=None)
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage=None)

@@ -100,6 +100,16 @@ def test_completion_greedy_equals_hf_generate(client):
     assert details is not None and details.accepted_prediction_tokens > 0
 
 
+def test_n_choices_through_the_real_stack(client):
+    resp = client.completions.create(model=DEFAULT_MODEL.name, prompt="def add(a, b):\n    ", max_tokens=12,
+                                     temperature=0.8, seed=5, n=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2] and resp.usage.completion_tokens == 36
+    again = client.completions.create(model=DEFAULT_MODEL.name, prompt="def add(a, b):\n    ", max_tokens=12,
+                                      temperature=0.8, seed=5, n=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in resp.choices]  # seed + i per choice: reproducible
+    assert len({c.text for c in resp.choices}) > 1  # and the choices are different samples
+
+
 def test_chat_completion_and_stream_with_usage(client):
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     resp = client.chat.completions.create(model=DEFAULT_MODEL.name, messages=messages, max_tokens=24,

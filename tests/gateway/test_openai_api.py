@@ -4,6 +4,7 @@ httpx: responses, streaming, stop strings, usage, every error as an OpenAI envel
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -166,7 +167,6 @@ def test_raw_completion_stream_ends_with_done(server, backend, tokenizer, includ
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10_000}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "word " * 2000}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "n": 5}, 400, "n"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "n": 1000}, 400, "n"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),
@@ -331,3 +331,62 @@ def test_completion_stream_through_the_openai_client(server, backend, tokenizer)
     assert "".join(ch.choices[0].text for ch in chunks) == expected(backend, tokenizer,
                                                                     tokenizer.encode("hello world"), 6)[1]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------------- n > 1
+def test_n_choices_non_streaming_with_summed_usage(client, backend, tokenizer):
+    resp = client.completions.create(model=MODEL_NAME, prompt="alpha beta gamma", max_tokens=6, temperature=0.7,
+                                     seed=11, n=3, extra_body={"ignore_eos": True})
+    prompt_ids = tokenizer.encode("alpha beta gamma")
+    ids, text, _ = expected(backend, tokenizer, prompt_ids, 6, ignore_eos=True)
+    assert [c.index for c in resp.choices] == [0, 1, 2] and all(c.text == text for c in resp.choices)
+    assert resp.usage.prompt_tokens == len(prompt_ids)  # the shared prompt counts once
+    assert resp.usage.completion_tokens == 3 * len(ids)
+    reqs = backend.requests[-3:]
+    assert len({r.request_id for r in reqs}) == 3 and [r.sampling.seed for r in reqs] == [11, 12, 13]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content
+
+
+def test_n_choices_streaming_carry_their_index_and_one_usage(server, backend, tokenizer):
+    body = {"model": MODEL_NAME, "prompt": "one two three four", "max_tokens": 7, "n": 3, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = [c for c in chunks if not c["choices"]]
+    assert len(usage) == 1 and usage[0]["usage"]["completion_tokens"] == 21
+    _, text, _ = expected(backend, tokenizer, tokenizer.encode("one two three four"), 7, ignore_eos=True)
+    for i in range(3):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(ch["text"] for ch in mine) == text
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+
+
+def test_n_streaming_chat_with_the_official_client(client):
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}],
+                                            max_tokens=6, n=2, stream=True)
+    by_index: dict[int, str] = {0: "", 1: ""}
+    roles = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.add(choice.index)
+            by_index[choice.index] += choice.delta.content or ""
+    assert roles == {0, 1} and by_index[0] == by_index[1] != ""
+
+
+def test_n_closing_the_stream_closes_every_choice(server, backend):
+    backend.hang_after_chunks = 1
+    body = {"model": MODEL_NAME, "prompt": "a b c d e f", "max_tokens": 50, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    assert backend.closed_event.wait(10)
+    deadline = time.monotonic() + 10
+    while len(backend.closed_early) + len(backend.aborted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(set(backend.closed_early) | set(backend.aborted)) >= 2
