@@ -103,6 +103,30 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
             "tokens_per_s": tokens / elapsed, "seconds": elapsed}
 
 
+def hf_peers(prompts: list[str] | list[list[int]], args) -> list[dict]:
+    """HF transformers peers on the same prompts (token ids), batch 1, greedy, ignore eos."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.args import DEFAULT_DRAFT
+    from tools.spec_eval import hf_tokens_per_s
+
+    if prompts and isinstance(prompts[0], str):
+        tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+        prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    dtype = torch.bfloat16 if args.hf_peers.startswith("cuda") else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=dtype).to(args.hf_peers).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(DEFAULT_DRAFT), dtype=dtype).to(args.hf_peers).eval()
+    rows = []
+    for name, kw in (("HF generate", {}), ("HF assisted (draft)", {"assistant": draft}),
+                     ("HF prompt lookup (10)", {"prompt_lookup_num_tokens": 10})):
+        r = hf_tokens_per_s(target, prompts, args.max_new_tokens, **kw)
+        rows.append({"config": name, "prompts": len(prompts), "completion_tokens": r["tokens"],
+                     "mean_accept_length": float("nan"), "accept_rate": float("nan"),
+                     "tokens_per_s": r["tokens_per_s"], "seconds": r["seconds"]})
+    return rows
+
+
 def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> pb.GenerateUsage:
     source = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
     request = pb.GenerateRequest(**source, max_new_tokens=max_new_tokens, temperature=args.temperature,
@@ -123,10 +147,16 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", default=None, help="JSON output path (a .png with the same stem is written too)")
+    p.add_argument("--hf-peers", default=None, metavar="DEVICE",
+                   help="also time HF transformers generate, assisted generation (the bundled STANDALONE draft as "
+                        "assistant_model) and prompt lookup on the same prompts, batch 1, greedy, on this device "
+                        "(e.g. cuda), after the services runs: peers measured in the same run")
     p.add_argument("extra", nargs="*", help="extra flags for tandem serve (after --)")
     args = p.parse_args()
     prompts = heldout_prompts(DEFAULT_MODEL, args.num_prompts, args.prompt_chars)
     results = [run_config(name, CONFIGS[name], prompts, args) for name in args.configs]
+    if args.hf_peers:
+        results += hf_peers(prompts, args)
     base = next((r["tokens_per_s"] for r in results if r["config"] == "AR"), None)
     for r in results:
         r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None

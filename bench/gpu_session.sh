@@ -46,7 +46,7 @@ for s in $STAGES; do
         --out "$R/spec_eval_h200.json" > "$R/spec_eval.log" 2>&1
       cat "$R/spec_eval_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval.log" ;;
     accept)  # the same family through the services (three processes, gRPC Generate)
-      timeout 200 python3 bench/accept.py --num-prompts 5 --max-new-tokens 64 --configs AR EAGLE3-tree EAGLE-tree \
+      timeout 240 python3 bench/accept.py --num-prompts 5 --max-new-tokens 64 --hf-peers cuda --configs AR EAGLE3-tree EAGLE-tree \
         STANDALONE-tree NGRAM --out "$R/accept_h200.json" -- --device cuda --cuda-graph-max-bs 4 > "$R/accept.log" 2>&1
       tail -8 "$R/accept.log" ;;
     flashinfer)
