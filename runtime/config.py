@@ -142,6 +142,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None = ceil(max_total_tokens / block_size), or profiled (below)
     max_total_tokens: int = 65536  # KV capacity over all sequences when num_kv_blocks is None
+    # Largest prefill forward in tokens (longer prompts / batches are split; the memory profile measures a prefill of
+    # this size); None or <= 0 = no chunking (a prefill of any length in one forward).
+    chunked_prefill_size: int | None = 4096
     seed: int = 0
     # Set (on CUDA, with num_kv_blocks None): weights + KV pool take this fraction of the GPU; the KV pool is sized by
     # profiling free memory after loading weights and a warm-up forward, and max_total_tokens is ignored.

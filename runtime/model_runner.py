@@ -177,7 +177,8 @@ class ModelRunner:
         the graphs may see), then size the real pool from what the weights and the activation peak left."""
         cfg, ec = self.model_config, self.engine_config
         weights_bytes = torch.cuda.memory_allocated(self.device)
-        prefill_len = min(_WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)
+        chunk = ec.chunked_prefill_size
+        prefill_len = min(chunk if chunk and chunk > 0 else _WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)
         wide_len = min(max(1, ec.cuda_graph_max_bs) * (ec.cuda_graph_num_draft_tokens or 1), cfg.max_position_embeddings)
         self._init_kv(-(-max(prefill_len, wide_len) // ec.block_size) + 1)
         probe = DeviceMemoryProbe(self.device)

@@ -33,6 +33,10 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens per model service (default: sized for the device)")
     p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block (page size)")
+    p.add_argument("--chunked-prefill-size", type=int, default=4096,
+                   help="largest prefill forward of the target in tokens: longer prompts (and batches of prompts) are "
+                        "split into forwards of at most this size, which bounds activation memory; the KV-pool "
+                        "profile measures a prefill of this size. -1 = no chunking")
     p.add_argument("--random-seed", type=int, default=0, help="seed for dummy weights")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV pool; the KV pool is sized by profiling free "

@@ -27,6 +27,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model-path", model_path(args), "--device", args.device, "--dtype", args.dtype,
              "--load-format", args.load_format, "--attention-backend", args.attention_backend,
              "--kv-block-size", str(args.kv_block_size), "--random-seed", str(args.random_seed),
+             "--chunked-prefill-size", str(args.chunked_prefill_size),
              "--log-level", args.log_level, "--log-format", args.log_format]
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]

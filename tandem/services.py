@@ -28,7 +28,8 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
                   cuda_graph_max_bs_decode=getattr(args, "cuda_graph_max_bs_decode", None),
                   disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
                   enable_torch_compile=getattr(args, "enable_torch_compile", False),
-                  torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32))
+                  torch_compile_max_bs=getattr(args, "torch_compile_max_bs", 32),
+                  chunked_prefill_size=getattr(args, "chunked_prefill_size", 4096))
     if draft and getattr(args, "speculative_draft_attention_backend", None):
         kwargs["attention_backend"] = args.speculative_draft_attention_backend
     steps, topk = getattr(args, "speculative_num_steps", None), getattr(args, "speculative_eagle_topk", None)

@@ -142,8 +142,9 @@ class TargetEngine:
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
-        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
-                                         self._all_greedy(inp for inp, _ in forwards))
+        logits, features = self._prefill_forward([f for _, f in forwards], outputs,
+                                                 any(i.return_features for i in inputs),
+                                                 self._all_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if inp.return_features:
@@ -217,6 +218,48 @@ class TargetEngine:
             out.finish = step.finish
             out.num_steps += len(step.token_ids)
         return (time.perf_counter() - start) * 1e3
+
+    def _prefill_forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool, greedy: bool):
+        """Chunked prefill (--chunked-prefill-size): forwards of at most that many tokens, a long prompt split over
+        several (its earlier chunks ask no logits), several short prompts sharing one. Same return as `_forward`:
+        per original forward its last chunk's rows and its chunks' features concatenated (None where it failed)."""
+        limit = self.runner.engine_config.chunked_prefill_size
+        if not limit or limit <= 0 or sum(len(f.token_ids) for f in forwards) <= limit:
+            return self._forward(forwards, outputs, features, greedy)
+        passes: list[list[tuple[int, SeqForward]]] = [[]]
+        used = 0
+        for index, f in enumerate(forwards):
+            start = 0
+            while start < len(f.token_ids):
+                if used == limit:
+                    passes.append([])
+                    used = 0
+                n = min(limit - used, len(f.token_ids) - start)
+                last = start + n == len(f.token_ids)
+                passes[-1].append((index, SeqForward(f.seq_id, f.token_ids[start:start + n],
+                                                     logits=f.logits if last else "none")))
+                used += n
+                start += n
+        rows: list = [None] * len(forwards)
+        feats: list[list[torch.Tensor]] = [[] for _ in forwards]
+        failed: set[int] = set()
+        total_ms = 0.0
+        for chunk in passes:
+            chunk = [(i, f) for i, f in chunk if i not in failed]
+            if not chunk:
+                continue
+            got_rows, got_feats = self._forward([f for _, f in chunk], outputs, features, greedy)
+            total_ms += self.last_forward_ms
+            for (i, f), r, ft in zip(chunk, got_rows, got_feats):
+                if r is None:  # out of KV: _forward marked it and freed the sequence
+                    failed.add(i)
+                    continue
+                if f.logits != "none":
+                    rows[i] = r
+                if ft is not None:
+                    feats[i].append(ft)
+        self.last_forward_ms = total_ms
+        return rows, [torch.cat(f) if f and i not in failed else None for i, f in enumerate(feats)]
 
     def _room(self, seq: _Seq) -> int:
         """Tokens this sequence may still emit before its length limit or the context end."""
