@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.models.eagle import load_draft_head, read_config
@@ -146,7 +147,7 @@ class EagleProposer(Proposer):
             SeqForward(seq_id, tokens, logits="last", capture_hidden=True, input_features=feats)
             for (seq_id, tokens, _), feats in zip(plans, projected)
         ]
-        out = self.runner.forward(forwards)
+        out = forward_chunked(self.runner, forwards, self.runner.engine_config.chunked_prefill_size)
         for inp in inputs:  # keep only f_{C-2}: enough to re-run the root's position if nothing new arrives
             self._feats[inp.seq_id] = self._feats[inp.seq_id][-1:]
             self._feat_start[inp.seq_id] = inp.committed_len - 2

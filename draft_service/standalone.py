@@ -11,6 +11,7 @@ from collections import defaultdict
 import torch
 
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from runtime.chunked import forward_chunked
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.speculative.tree import BeamTreeBuilder, DraftTree
 
@@ -81,7 +82,7 @@ class StandaloneProposer(Proposer):
             forwards.append(SeqForward(inp.seq_id, tokens[kv_len:], logits="last"))
         if not forwards:
             return {}
-        out = self.runner.forward(forwards)
+        out = forward_chunked(self.runner, forwards, self.runner.engine_config.chunked_prefill_size)
         return {f.seq_id: rows[-1] for f, rows in zip(forwards, out.logits)}
 
     def _expand(self, group: list[ProposeInput], spec: SpecShape, first: torch.Tensor) -> list[DraftTree]:

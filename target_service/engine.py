@@ -226,20 +226,11 @@ class TargetEngine:
         limit = self.runner.engine_config.chunked_prefill_size
         if not limit or limit <= 0 or sum(len(f.token_ids) for f in forwards) <= limit:
             return self._forward(forwards, outputs, features, greedy)
-        passes: list[list[tuple[int, SeqForward]]] = [[]]
-        used = 0
-        for index, f in enumerate(forwards):
-            start = 0
-            while start < len(f.token_ids):
-                if used == limit:
-                    passes.append([])
-                    used = 0
-                n = min(limit - used, len(f.token_ids) - start)
-                last = start + n == len(f.token_ids)
-                passes[-1].append((index, SeqForward(f.seq_id, f.token_ids[start:start + n],
-                                                     logits=f.logits if last else "none")))
-                used += n
-                start += n
+        from runtime.chunked import plan_chunks
+
+        passes = [[(i, SeqForward(forwards[i].seq_id, forwards[i].token_ids[start:end],
+                                  logits=forwards[i].logits if end == len(forwards[i].token_ids) else "none"))
+                   for i, start, end in chunk] for chunk in plan_chunks([len(f.token_ids) for f in forwards], limit)]
         rows: list = [None] * len(forwards)
         feats: list[list[torch.Tensor]] = [[] for _ in forwards]
         failed: set[int] = set()
