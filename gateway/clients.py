@@ -41,6 +41,7 @@ class TargetPrefillItem:
     sampling: RequestSampling
     stop: SeqStop
     return_features: bool = False
+    logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and k alternatives
 
 
 @dataclass
@@ -54,6 +55,7 @@ class VerifyItem:
     stop: SeqStop
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
+    logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and k alternatives
 
 
 @dataclass
@@ -69,6 +71,8 @@ class StepResult:
     error: str = ""
     features: FeatureRows | None = None  # target features of the tokens that gained KV (feature drafts)
     num_steps: int = 1  # target forward steps covered (continuous decode: several)
+    # per token when asked: (logprob, top token ids, top logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 @dataclass
@@ -243,22 +247,25 @@ class TargetClient(_Client):
     async def prefill(self, items: list[TargetPrefillItem]) -> list[StepResult]:
         request = pb.TargetPrefillRequest(seqs=[
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
-                                sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features)
+                                sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
+                                return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self._call(self.stub.Prefill, request)
         return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error,
-                           features=_features_from_pb(r.hidden)) for r in response.results]
+                           features=_features_from_pb(r.hidden), logprobs=_logprobs(r)) for r in response.results]
 
     async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         request = pb.VerifyRequest(seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
                          tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents),
                          sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
-                         num_decode_steps=i.num_decode_steps)
+                         num_decode_steps=i.num_decode_steps, return_logprobs=i.logprobs >= 0,
+                         top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self.verify_stream(request)
         return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, r.num_accepted_drafts,
-                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden), max(1, r.num_steps))
+                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden), max(1, r.num_steps),
+                           _logprobs(r))
                 for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
@@ -296,3 +303,9 @@ class DraftClient(_Client):
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
         return response.num_released
+
+
+def _logprobs(result) -> list[tuple[float, list[int], list[float]]] | None:
+    if not len(result.logprobs):
+        return None
+    return [(e.logprob, list(e.top_token_ids), list(e.top_logprobs)) for e in result.logprobs]

@@ -158,8 +158,11 @@ class _OpenAIServer:
         prompt_ids = self.tokenizer.apply_chat_template(req.messages, max_len=self.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, "chatcmpl-", prompt_ids, max_tokens, self.default_max_tokens, "messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        params.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         fmt = ResponseFormatter(chat=True, request_id=params.request_id, created=int(time.time()),
-                                model=self.model_name)
+                                model=self.model_name, token_text=self._token_text, logprobs=req.logprobs is True)
         return await self._respond(request, req, params, fmt)
 
     async def _completions(self, request: Request) -> Response:
@@ -167,8 +170,9 @@ class _OpenAIServer:
         prompt_ids = self._completion_prompt(req.prompt)
         default = self.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         params = self._params(req, "cmpl-", prompt_ids, req.max_tokens, default, "prompt")
+        params.logprobs = req.logprobs
         fmt = ResponseFormatter(chat=False, request_id=params.request_id, created=int(time.time()),
-                                model=self.model_name)
+                                model=self.model_name, token_text=self._token_text, logprobs=req.logprobs is not None)
         return await self._respond(request, req, params, fmt)
 
     async def _respond(self, request: Request, req: _SamplingRequest, params: GenerateParams,
@@ -188,8 +192,8 @@ class _OpenAIServer:
         result = await unless_disconnected(request, collect(chunks))
         if result is DISCONNECTED:
             return Response(status_code=499)
-        text, finish, usage = result
-        return JSONResponse(fmt.response(text, finish, usage))
+        text, finish, usage, token_ids, logprobs = result
+        return JSONResponse(fmt.response(text, finish, usage, token_ids, logprobs))
 
     async def _respond_n(self, request: Request, req: _SamplingRequest, params: GenerateParams,
                          fmt: ResponseFormatter) -> Response:
@@ -236,6 +240,10 @@ class _OpenAIServer:
         return GenerateParams(request_id=id_prefix + uuid.uuid4().hex, prompt_token_ids=prompt_ids,
                               max_new_tokens=max_tokens, sampling=sampling, stop=[s for s in stop if s],
                               stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's text in logprobs (special tokens included, as OpenAI lists them)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, str):

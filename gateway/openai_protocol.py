@@ -2,10 +2,12 @@
 
 Requests accept and ignore unknown fields (as vLLM does); fields we cannot honour yet are rejected by
 `unsupported_fields` with a clear message rather than silently ignored. Responses are plain dicts shaped exactly as
-openai-python's strict models expect. Nothing here knows about the backend or the tokenizer.
+openai-python's strict models expect. Nothing here knows about the backend; token texts for logprobs come in
+as a callable.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.types import Usage
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # per position, as OpenAI's API
 
 
 class StreamOptions(BaseModel):
@@ -47,7 +50,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[Any]  # roles and content parts are checked by Tokenizer.apply_chat_template (clear messages)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -57,7 +60,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -69,8 +72,6 @@ def unsupported_fields(req: _SamplingRequest) -> list[str]:
         "presence_penalty": bool(req.presence_penalty),
         "frequency_penalty": bool(req.frequency_penalty),
         "logit_bias": bool(req.logit_bias),
-        "logprobs": bool(getattr(req, "logprobs", None)),
-        "top_logprobs": bool(getattr(req, "top_logprobs", None)),
         "tools": bool(getattr(req, "tools", None)),
         "tool_choice": getattr(req, "tool_choice", None) not in (None, "none", "auto"),
         "functions": bool(getattr(req, "functions", None)),
@@ -109,30 +110,62 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 class ResponseFormatter:
-    """Builds the response and stream chunks of one request; `chat` selects the chat or legacy-completion shape."""
+    """Builds the response and stream chunks of one request; `chat` selects the chat or legacy-completion shape.
+    token_text: id -> token string, needed when the request asked for logprobs (`logprobs` is then True)."""
 
-    def __init__(self, *, chat: bool, request_id: str, created: int, model: str):
+    def __init__(self, *, chat: bool, request_id: str, created: int, model: str,
+                 token_text: Callable[[int], str] | None = None, logprobs: bool = False):
         self.chat = chat
         self.request_id = request_id
         self.created = created
         self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs and token_text is not None
+        self._offsets: dict[int, int] = {}  # legacy completions' text_offset, per choice, across stream chunks
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return self.response_choices([(text, finish_reason)], usage)
+    def response(self, text: str, finish_reason: str, usage: Usage, token_ids: list[int] | None = None,
+                 logprobs: list | None = None) -> dict[str, Any]:
+        return self.response_choices([(text, finish_reason, token_ids or [], logprobs)], usage)
 
-    def response_choices(self, choices: list[tuple[str, str]], usage: Usage) -> dict[str, Any]:
-        """(text, finish_reason) per choice index (n >= 1)."""
+    def response_choices(self, choices: list[tuple], usage: Usage) -> dict[str, Any]:
+        """(text, finish_reason[, token ids, logprob entries]) per choice index (n >= 1)."""
+        body = []
+        for i, choice in enumerate(choices):
+            text, finish = choice[0], choice[1]
+            lp = self.logprobs_body(i, choice[2], choice[3]) if len(choice) > 3 else None
+            if self.chat:
+                body.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                             "logprobs": lp, "finish_reason": finish})
+            else:
+                body.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, body, system_fingerprint=None, usage=usage_body(usage))
+
+    def logprobs_body(self, index: int, token_ids: list[int], entries: list | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (chat: content list; completions: parallel lists), or None when
+        the request did not ask. entries: (logprob, top ids, top logprobs) per token."""
+        if not self.logprobs or entries is None:
+            return None
+        texts = [self.token_text(t) for t in token_ids]
         if self.chat:
-            body = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": finish} for i, (text, finish) in enumerate(choices)]
-            return self._envelope("chat.completion", body, system_fingerprint=None, usage=usage_body(usage))
-        body = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                for i, (text, finish) in enumerate(choices)]
-        return self._envelope("text_completion", body, system_fingerprint=None, usage=usage_body(usage))
+            def entry(tok: str, lp: float) -> dict[str, Any]:
+                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+            content = [{**entry(tok, lp), "top_logprobs": [entry(self.token_text(i), v) for i, v in zip(ids, vals)]}
+                       for tok, (lp, ids, vals) in zip(texts, entries)]
+            return {"content": content, "refusal": None}
+        offsets, pos = [], self._offsets.get(index, 0)
+        for tok in texts:
+            offsets.append(pos)
+            pos += len(tok)
+        self._offsets[index] = pos
+        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in entries],
+                "top_logprobs": [{self.token_text(i): v for i, v in zip(ids, vals)} for _, ids, vals in entries],
+                "text_offset": offsets}
 
     def role_chunk(self, index: int = 0) -> dict[str, Any] | None:
         """The chat stream's opening chunk (per choice); legacy completions have none."""
@@ -140,18 +173,21 @@ class ResponseFormatter:
             return None
         return self._chunk({"role": "assistant", "content": ""}, None, index)
 
-    def text_chunk(self, text: str, finish_reason: str | None = None, index: int = 0) -> dict[str, Any]:
+    def text_chunk(self, text: str, finish_reason: str | None = None, index: int = 0,
+                   token_ids: list[int] | None = None, logprobs: list | None = None) -> dict[str, Any]:
+        lp = self.logprobs_body(index, token_ids or [], logprobs) if logprobs else None
         if self.chat:
-            return self._chunk({"content": text} if text else {}, finish_reason, index)
-        return self._chunk(text, finish_reason, index)
+            return self._chunk({"content": text} if text else {}, finish_reason, index, lp)
+        return self._chunk(text, finish_reason, index, lp)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage_body(usage))
 
-    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any] | str, finish_reason: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice], usage=None)
-        choice = {"index": index, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope("text_completion", [choice], usage=None)

@@ -50,13 +50,13 @@ async def sse_events(chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
         chunk: GenerateChunk | None = first
         while chunk is not None:
             if chunk.finish_reason is None:
-                if chunk.text:
-                    yield _sse(fmt.text_chunk(chunk.text))
+                if chunk.text or chunk.logprobs:
+                    yield _sse(fmt.text_chunk(chunk.text, None, 0, chunk.token_ids, chunk.logprobs))
                 chunk = await anext(chunks, None)
                 continue
             finish = finish_reason_of(chunk)
-            if chunk.text:
-                yield _sse(fmt.text_chunk(chunk.text))
+            if chunk.text or chunk.logprobs:
+                yield _sse(fmt.text_chunk(chunk.text, None, 0, chunk.token_ids, chunk.logprobs))
             yield _sse(fmt.text_chunk("", finish))
             if include_usage:
                 yield _sse(fmt.usage_chunk(chunk.usage or Usage(0, 0)))
@@ -87,8 +87,8 @@ async def sse_events_n(merged: AsyncIterator[tuple[int, GenerateChunk]], first: 
         item: tuple[int, GenerateChunk] | None = first
         while item is not None:
             index, chunk = item
-            if chunk.text:
-                yield _sse(fmt.text_chunk(chunk.text, None, index))
+            if chunk.text or chunk.logprobs:
+                yield _sse(fmt.text_chunk(chunk.text, None, index, chunk.token_ids, chunk.logprobs))
             if chunk.finish_reason is not None:
                 yield _sse(fmt.text_chunk("", finish_reason_of(chunk), index))
                 usages[index] = chunk.usage or Usage(0, 0)
@@ -108,17 +108,23 @@ async def sse_events_n(merged: AsyncIterator[tuple[int, GenerateChunk]], first: 
     yield "data: [DONE]\n\n"
 
 
-async def collect_n(merged: AsyncIterator[tuple[int, GenerateChunk]], n: int) -> tuple[list[tuple[str, str]], Usage]:
+async def collect_n(merged: AsyncIterator[tuple[int, GenerateChunk]], n: int) -> tuple[list[tuple], Usage]:
+    """Per choice (text, finish reason, token ids, logprob entries or None), and the summed usage."""
     texts: list[list[str]] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list | None] = [None] * n
     finishes: dict[int, tuple[str, Usage]] = {}
     try:
         async for index, chunk in merged:
             texts[index].append(chunk.text)
+            token_ids[index] += chunk.token_ids
+            if chunk.logprobs is not None:
+                logprobs[index] = (logprobs[index] or []) + chunk.logprobs
             if chunk.finish_reason is not None:
                 finishes[index] = (finish_reason_of(chunk), chunk.usage or Usage(0, 0))
         if len(finishes) != n:
             raise RuntimeError("the backend ended a stream without a finish reason")
-        return ([("".join(texts[i]), finishes[i][0]) for i in range(n)],
+        return ([("".join(texts[i]), finishes[i][0], token_ids[i], logprobs[i]) for i in range(n)],
                 total_usage([finishes[i][1] for i in range(n)]))
     finally:
         with anyio.CancelScope(shield=True):
@@ -168,13 +174,19 @@ async def first_chunk(chunks: AsyncIterator[GenerateChunk]) -> GenerateChunk:
         raise
 
 
-async def collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[str, str, Usage]:
+async def collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[str, str, Usage, list[int], list | None]:
+    """(text, finish reason, usage, token ids, logprob entries or None) of a whole generation."""
     texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list | None = None
     try:
         async for chunk in chunks:
             texts.append(chunk.text)
+            token_ids += chunk.token_ids
+            if chunk.logprobs is not None:
+                logprobs = (logprobs or []) + chunk.logprobs
             if chunk.finish_reason is not None:
-                return "".join(texts), finish_reason_of(chunk), chunk.usage or Usage(0, 0)
+                return "".join(texts), finish_reason_of(chunk), chunk.usage or Usage(0, 0), token_ids, logprobs
         raise RuntimeError("the backend ended the stream without a finish reason")
     finally:
         with anyio.CancelScope(shield=True):

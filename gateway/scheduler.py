@@ -267,8 +267,8 @@ class Scheduler:
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
         feats = self.spec.needs_features
-        items = [TargetPrefillItem(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats)
-                 for s in seqs]
+        items = [TargetPrefillItem(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats,
+                                   _logprobs(s)) for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
         except ValueError as exc:
@@ -292,7 +292,7 @@ class Scheduler:
             elif result.status != STATUS_OK:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
+                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
 
     async def _step(self, seqs: list[Sequence]) -> None:
         overlap = self.drafting.overlap_enabled
@@ -330,7 +330,7 @@ class Scheduler:
             tokens, parents = trees.get(seq.seq_id, ([], []))
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
                                     seq.params.sampling, seq.stop, self.spec.needs_features,
-                                    decode_steps if not tokens else 1))
+                                    decode_steps if not tokens else 1, _logprobs(seq)))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:
@@ -358,4 +358,9 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason))
+                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
+
+
+def _logprobs(seq: Sequence) -> int:
+    """The target-side logprobs request of a sequence: -1 none, else the number of alternatives."""
+    return -1 if seq.params.logprobs is None else seq.params.logprobs

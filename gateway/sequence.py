@@ -70,10 +70,18 @@ class Sequence:
                      proposed_draft_tokens=self.proposed_draft_tokens, predraft_hits=self.predraft_hits,
                      predraft_misses=self.predraft_misses)
 
-    def commit(self, token_ids: list[int], finish: FinishReason | None) -> None:
-        """Append tokens the target accepted and stream them; apply stop strings."""
+    def commit(self, token_ids: list[int], finish: FinishReason | None,
+               logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:
+        """Append tokens the target accepted and stream them; apply stop strings. logprobs: one entry per token
+        when the request asked for them."""
         if self.finished:
             return
+        if self.params.logprobs is not None and token_ids:
+            logprobs = list(logprobs or [])
+            # A target that returned none (an older pod): neutral entries keep the list aligned with the tokens.
+            logprobs += [(-9999.0, [], [])] * (len(token_ids) - len(logprobs))
+        else:
+            logprobs = None
         self.committed.extend(token_ids)
         text, matched = "", None
         if self._detok is not None:
@@ -88,11 +96,11 @@ class Sequence:
                     text += self._stops.flush()
         if finish is None:
             if token_ids or text:
-                self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text))
+                self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text, logprobs=logprobs))
             return
         self.finished = True
         self.queue.put_nowait(GenerateChunk(token_ids=list(token_ids), text=text, finish_reason=finish,
-                                            usage=self.usage(), matched_stop=matched))
+                                            usage=self.usage(), matched_stop=matched, logprobs=logprobs))
 
     def finish(self, reason: FinishReason) -> None:
         if not self.finished:

@@ -98,6 +98,7 @@ class GenerateParams:
     ignore_eos: bool = False
     detokenize: bool = True
     deadline_s: float | None = None  # absolute time.monotonic() deadline; None = the server default
+    logprobs: int | None = None  # None: none; k >= 0: each output token's logprob and its k most likely alternatives
 
 
 @dataclass
@@ -126,6 +127,8 @@ class GenerateChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     matched_stop: str | None = None
+    # per token of token_ids when the request asked for logprobs: (logprob, top token ids, top logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 class GenerationBackend(Protocol):

@@ -21,6 +21,7 @@ from runtime.sampling import SamplingParams, process_logits
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
 
 
@@ -54,6 +55,7 @@ class PrefillInput:
     sampling: SamplingParams
     stop: StopRule
     return_features: bool = False
+    logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and the top k alternatives
 
 
 @dataclass
@@ -66,6 +68,7 @@ class VerifyInput:
     stop: StopRule
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree only: decode steps run back to back in this call
+    logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and the top k alternatives
 
 
 @dataclass
@@ -81,6 +84,8 @@ class StepOutput:
     # prompt token; verify → the root and the accepted drafts. Row i is the feature of the i-th such token.
     features: torch.Tensor | None = None  # (rows, feature_dim)
     num_steps: int = 1  # target forward steps this output covers (continuous decode: up to num_decode_steps)
+    # per emitted token when asked: (logprob, top token ids, top logprobs) under the raw target distribution
+    logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -144,7 +149,7 @@ class TargetEngine:
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
         logits, features = self._prefill_forward([f for _, f in forwards], outputs,
                                                  any(i.return_features for i in inputs),
-                                                 self._all_greedy(inp for inp, _ in forwards))
+                                                 self._fast_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if inp.return_features:
@@ -154,6 +159,8 @@ class TargetEngine:
             seq = self._seqs[inp.seq_id]
             token = self._sample_rows(rows, seq)[-1]
             self._commit(by_id[inp.seq_id], seq, [token])
+            if inp.logprobs >= 0:
+                by_id[inp.seq_id].logprobs = token_logprobs(rows[-1:], [token], inp.logprobs)
         return outputs
 
     def verify(self, inputs: list[VerifyInput]) -> list[StepOutput]:
@@ -182,6 +189,7 @@ class TargetEngine:
                     failed.add(inp.seq_id)
                     continue
                 out.token_ids += step.token_ids
+                out.logprobs += step.logprobs
                 out.finish = step.finish
                 out.num_steps += 1
                 if step.features is not None and out.features is not None:
@@ -199,7 +207,8 @@ class TargetEngine:
         from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
 
         group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
-                 and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.seq_id in self._seqs]
+                 and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
+                 and inp.seq_id in self._seqs]
         if not group or not can_pipeline(self.runner, [inp.seq_id for inp, _ in group]):
             return 0.0
         steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
@@ -286,7 +295,7 @@ class TargetEngine:
             forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
                                              positions=[kv_len + d for d in depths], parents=parents, logits="all")))
         logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
-                                         self._all_greedy(inp for inp, _ in forwards))
+                                         self._fast_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if rows is None:
@@ -297,6 +306,8 @@ class TargetEngine:
             self.runner.compact(inp.seq_id, kept_nodes)
             out.num_accepted_drafts = outcome.num_accepted_drafts
             self._commit(out, seq, outcome.tokens)
+            if inp.logprobs >= 0:  # row kept_nodes[j] predicted emitted token j
+                out.logprobs = token_logprobs(rows[kept_nodes[: len(out.token_ids)]], out.token_ids, inp.logprobs)
             if inp.return_features and feats is not None:
                 # The root and the accepted drafts now have KV; a stop may have cut the run short.
                 out.features = feats[kept_nodes[: len(out.token_ids)]]
@@ -343,6 +354,12 @@ class TargetEngine:
     @staticmethod
     def _all_greedy(inputs) -> bool:
         return all(inp.sampling.is_greedy for inp in inputs)
+
+    @staticmethod
+    def _fast_greedy(inputs) -> bool:
+        """Argmax-only readback: every sequence greedy and none asking for logprobs (those need the logits)."""
+        inputs = list(inputs)
+        return all(inp.sampling.is_greedy and inp.logprobs < 0 for inp in inputs)
 
     def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False,
                  greedy: bool = False):
@@ -423,3 +440,17 @@ class TargetEngine:
         else:
             gen.seed()
         return gen
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
+    """(logprob of tokens[j] under row j, top-`top` ids, their logprobs) per row: log-softmax of the raw logits."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top > 0:
+        values, ids = lp.topk(top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    else:
+        values, ids = [[] for _ in tokens], [[] for _ in tokens]
+    return [(c, i, v) for c, i, v in zip(chosen, ids, values)]

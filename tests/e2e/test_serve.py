@@ -110,6 +110,27 @@ def test_n_choices_through_the_real_stack(client):
     assert len({c.text for c in resp.choices}) > 1  # and the choices are different samples
 
 
+def test_logprobs_through_the_real_stack_equal_hf(client):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
+    prompt = "import numpy as np\n\n\ndef "
+    resp = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=16, temperature=0,
+                                     logprobs=3, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    ids = tokenizer(prompt, return_tensors="pt").input_ids[0].tolist()
+    out_ids = [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize(resp.choices[0].text)]
+    with torch.no_grad():
+        full = torch.tensor([ids + out_ids])
+        ref = torch.log_softmax(hf(full).logits[0].float(), dim=-1)
+    want = [ref[len(ids) - 1 + j, t].item() for j, t in enumerate(out_ids)]
+    assert len(lp.token_logprobs) == 16 and all(len(d) == 3 for d in lp.top_logprobs)
+    assert lp.token_logprobs[:len(want)] == pytest.approx(want, abs=2e-3)
+    chat = client.chat.completions.create(model=DEFAULT_MODEL.name, messages=[{"role": "user", "content": "def f():"}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    entries = [c for chunk in chat for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
+    assert entries and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+
+
 def test_chat_completion_and_stream_with_usage(client):
     messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
     resp = client.chat.completions.create(model=DEFAULT_MODEL.name, messages=messages, max_tokens=24,

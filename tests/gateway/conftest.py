@@ -97,6 +97,11 @@ class FakeBackend:
         rev = params.prompt_token_ids[::-1]
         return [rev[i % len(rev)] for i in range(params.max_new_tokens)]
 
+    @staticmethod
+    def fake_logprob(token: int, k: int) -> tuple[float, list[int], list[float]]:
+        """Deterministic (logprob, top ids, top logprobs) of a token, as a target would return them."""
+        return -0.01 * (token % 97), [token, (token + 1) % 256][:k], [-0.01 * (token % 97), -5.0][:k]
+
     async def abort(self, request_id: str) -> bool:
         event = self._abort_events.get(request_id)
         if event is None:
@@ -148,11 +153,12 @@ class FakeBackend:
                             finish = FinishReason.STOP
                         elif finish is not None:
                             text += stops.flush()
+                lps = None if params.logprobs is None else [self.fake_logprob(t, params.logprobs) for t in ids]
                 if finish is not None:
                     finished = True
-                    yield GenerateChunk(ids, text, finish, self._usage(params, pos, num_chunks), matched)
+                    yield GenerateChunk(ids, text, finish, self._usage(params, pos, num_chunks), matched, lps)
                     return
-                yield GenerateChunk(ids, text)
+                yield GenerateChunk(ids, text, logprobs=lps)
         finally:
             if not finished:
                 self.closed_early.append(params.request_id)

@@ -173,7 +173,7 @@ def test_raw_completion_stream_ends_with_done(server, backend, tokenizer, includ
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x"} | {"model": MODEL_NAME, "stream": "yes please"}, 400, "stream"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
@@ -183,7 +183,7 @@ def test_raw_completion_stream_ends_with_done(server, backend, tokenizer, includ
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content[0]"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True}, 400, "logprobs"),
+                              "top_logprobs": 3}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
@@ -390,3 +390,47 @@ def test_n_closing_the_stream_closes_every_choice(server, backend):
     while len(backend.closed_early) + len(backend.aborted) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(set(backend.closed_early) | set(backend.aborted)) >= 2
+
+
+# ---------------------------------------------------------------------------------------------------- logprobs
+def test_completion_logprobs_legacy_shape(client, backend, tokenizer):
+    resp = client.completions.create(model=MODEL_NAME, prompt="alpha beta", max_tokens=5, temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    ids, _, _ = expected(backend, tokenizer, tokenizer.encode("alpha beta"), 5, ignore_eos=True)
+    lp = resp.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs == pytest.approx([backend.fake_logprob(t, 2)[0] for t in ids])
+    assert [list(d.values()) for d in lp.top_logprobs] == [backend.fake_logprob(t, 2)[2] for t in ids]
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(len(ids))]
+    assert backend.requests[-1].logprobs == 2
+
+
+def test_chat_logprobs_with_top_alternatives_stream_and_not(client, backend):
+    messages = [{"role": "user", "content": "tell me"}]
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, logprobs=True,
+                                          top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6)
+    assert plain.choices[0].logprobs is None and backend.requests[-1].logprobs is None
+    streamed = []
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, logprobs=True,
+                                                top_logprobs=1, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed += choice.logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(len(c.top_logprobs) == 1 for c in streamed)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+])
+def test_bad_logprobs_requests(server, body, param):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": MODEL_NAME, **body}, timeout=30)
+    assert assert_envelope(r, 400)["param"] == param
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "logprobs": 21},
+                   timeout=30)
+    assert assert_envelope(r, 400)["param"] == "logprobs"

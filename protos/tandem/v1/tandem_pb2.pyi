@@ -123,20 +123,24 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetPrefillSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_hidden")
+    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_hidden", "return_logprobs", "top_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample_next_token: bool
     sampling: SamplingParams
     stop: StopParams
     return_hidden: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    return_logprobs: bool
+    top_logprobs: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class TargetPrefillRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -145,20 +149,32 @@ class TargetPrefillRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[TargetPrefillSeq, _Mapping]]] = ...) -> None: ...
 
 class TargetPrefillResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "hidden", "error")
+    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "hidden", "error", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     hidden: Tensor
     error: str
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TargetPrefillResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")
@@ -171,7 +187,7 @@ class TargetPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TargetPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class VerifySeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_hidden", "num_decode_steps")
+    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_hidden", "num_decode_steps", "return_logprobs", "top_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +196,8 @@ class VerifySeq(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     root_token_id: int
@@ -188,7 +206,9 @@ class VerifySeq(_message.Message):
     stop: StopParams
     return_hidden: bool
     num_decode_steps: int
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ...) -> None: ...
+    return_logprobs: bool
+    top_logprobs: int
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -197,7 +217,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "hidden", "error", "num_steps")
+    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "hidden", "error", "num_steps", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +227,7 @@ class VerifyResult(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -216,7 +237,8 @@ class VerifyResult(_message.Message):
     hidden: Tensor
     error: str
     num_steps: int
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")
