@@ -32,6 +32,7 @@ from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_NEW_TOKENS = 16  # GenerateRequest.max_new_tokens == 0
+MAX_TOP_LOGPROBS = 20  # GenerateRequest.top_logprobs, as the OpenAI front
 MAX_MESSAGE_BYTES = 256 << 20
 SERVICE_NAME = "tandem.v1.Gateway"
 
@@ -110,6 +111,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                  f"the maximum context length of {max_context_len} tokens", "max_new_tokens")
         if request.skip_detokenize and request.stop:
             raise InvalidRequest("stop strings need detokenization; unset skip_detokenize", "stop")
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
         sampling = RequestSampling(
             temperature=request.temperature,
             top_p=request.top_p if 0.0 < request.top_p < 1.0 else 1.0,
@@ -119,7 +122,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         return GenerateParams(request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
                               prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,
                               stop=[s for s in request.stop if s], stop_token_ids=list(request.stop_token_ids),
-                              ignore_eos=request.ignore_eos, detokenize=not request.skip_detokenize)
+                              ignore_eos=request.ignore_eos, detokenize=not request.skip_detokenize,
+                              logprobs=request.top_logprobs if request.return_logprobs else None)
 
 
 async def serve_gateway_grpc(servicer: GatewayServicer, host: str, port: int, *,
@@ -153,7 +157,9 @@ async def serve_gateway_grpc(servicer: GatewayServicer, host: str, port: int, *,
 def _response(request_id: str, chunk: GenerateChunk) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text,
                                    finish_reason=_FINISH_TO_PB[chunk.finish_reason],
-                                   matched_stop=chunk.matched_stop or "")
+                                   matched_stop=chunk.matched_stop or "",
+                                   logprobs=[pb.TokenLogprob(logprob=lp, top_token_ids=ids, top_logprobs=vals)
+                                             for lp, ids, vals in chunk.logprobs or ()])
     if chunk.usage is not None:
         u = chunk.usage
         response.usage.CopyFrom(pb.GenerateUsage(

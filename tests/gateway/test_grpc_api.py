@@ -69,12 +69,27 @@ async def test_generate_token_ids_with_stop_string_and_defaults(stub, backend, t
     assert responses[-1].finish_reason == pb.FINISH_REASON_STOP and responses[-1].matched_stop == stop
 
 
+async def test_generate_returns_logprobs_per_token_when_asked(stub, backend, tokenizer):
+    ids = tokenizer.encode("alpha beta gamma")
+    responses = [r async for r in stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=6, ignore_eos=True,
+                                                                    return_logprobs=True, top_logprobs=2))]
+    assert backend.requests[-1].logprobs == 2
+    for r in responses:
+        assert len(r.logprobs) == len(r.token_ids)
+        for t, e in zip(r.token_ids, r.logprobs):
+            lp, top_ids, top_vals = backend.fake_logprob(t, 2)
+            assert e.logprob == pytest.approx(lp) and list(e.top_token_ids) == top_ids
+    plain = [r async for r in stub.Generate(pb.GenerateRequest(token_ids=ids, max_new_tokens=4))]
+    assert all(len(r.logprobs) == 0 for r in plain) and backend.requests[-1].logprobs is None
+
+
 @pytest.mark.parametrize("request_kwargs", [
     dict(max_new_tokens=4),  # neither text nor token_ids
     dict(text="hi", token_ids=[1, 2]),  # both
     dict(text="hi", temperature=-1.0),
     dict(text="hi", max_new_tokens=10_000),
     dict(text="hi", stop=["x"], skip_detokenize=True),
+    dict(text="hi", return_logprobs=True, top_logprobs=21),
 ])
 async def test_bad_input_is_invalid_argument(stub, backend, request_kwargs):
     with pytest.raises(grpc.aio.AioRpcError) as err:
