@@ -297,7 +297,8 @@ class Scheduler:
     async def _step(self, seqs: list[Sequence]) -> None:
         overlap = self.drafting.overlap_enabled
         adaptive_steps = self.adaptive.steps_for(len(seqs)) if self.adaptive is not None else None
-        accepted_before = {s.seq_id: s.accepted_draft_tokens for s in seqs}
+        accepted_before = ({s.seq_id: s.accepted_draft_tokens for s in seqs} if adaptive_steps is not None
+                           else None)
         if overlap:
             trees = self.drafting.take_predrafts(seqs)
             trees.update(await self.drafting.propose([s for s in seqs if s.seq_id not in trees]))

@@ -30,16 +30,18 @@ def plan_chunks(lengths: list[int], limit: int) -> list[list[tuple[int, int, int
 
 
 def forward_chunked(runner: ModelRunner, batch: list[SeqForward], limit: int | None,
-                    capture_layers: list[int] | None = None) -> ForwardOutput:
-    """runner.forward(batch) in passes of at most `limit` tokens (None or <= 0: one forward). Chain appends only."""
+                    capture_layers: list[int] | None = None, outputs: str = "logits") -> ForwardOutput:
+    """runner.forward(batch, outputs=...) in passes of at most `limit` tokens (None or <= 0: one forward). Chain
+    appends only."""
     total = sum(len(sf.token_ids) for sf in batch)
     if not limit or limit <= 0 or total <= limit:
-        return runner.forward(batch, capture_layers=capture_layers)
+        return runner.forward(batch, capture_layers=capture_layers, outputs=outputs)
     if any(sf.parents is not None or sf.positions is not None for sf in batch):
         raise ValueError("chunked forwards take chain appends with default positions only")
     logits: list[list[torch.Tensor]] = [[] for _ in batch]
     hidden: list[list[torch.Tensor]] = [[] for _ in batch]
     aux: list[list[torch.Tensor]] = [[] for _ in batch]
+    argmax: list[list[int]] = [[] for _ in batch]
     for chunk in plan_chunks([len(sf.token_ids) for sf in batch], limit):
         pieces = []
         for index, start, end in chunk:
@@ -49,10 +51,13 @@ def forward_chunked(runner: ModelRunner, batch: list[SeqForward], limit: int | N
             feats = None if sf.input_features is None else sf.input_features[start:end]
             pieces.append(SeqForward(sf.seq_id, sf.token_ids[start:end], logits=mode,
                                      capture_hidden=sf.capture_hidden, input_features=feats))
-        out = runner.forward(pieces, capture_layers=capture_layers)
-        for (index, _, _), piece, rows, hid, ax in zip(chunk, pieces, out.logits, out.hidden, out.aux_hidden):
+        out = runner.forward(pieces, capture_layers=capture_layers, outputs=outputs)
+        for k, ((index, _, _), piece, rows, hid, ax) in enumerate(zip(chunk, pieces, out.logits, out.hidden,
+                                                                    out.aux_hidden)):
             if piece.logits != "none":
                 logits[index].append(rows)
+                if out.argmax is not None:
+                    argmax[index] += out.argmax[k]
             if hid is not None:
                 hidden[index].append(hid)
             if ax is not None:
@@ -60,4 +65,5 @@ def forward_chunked(runner: ModelRunner, batch: list[SeqForward], limit: int | N
     cat = lambda parts: torch.cat(parts) if parts else None  # noqa: E731
     empty = torch.empty(0, runner.model_config.vocab_size, device=runner.device)
     return ForwardOutput(logits=[cat(parts) if parts else empty for parts in logits],
-                         hidden=[cat(parts) for parts in hidden], aux_hidden=[cat(parts) for parts in aux])
+                         hidden=[cat(parts) for parts in hidden], aux_hidden=[cat(parts) for parts in aux],
+                         argmax=argmax if outputs != "logits" else None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams, process_logits
@@ -147,9 +148,8 @@ class TargetEngine:
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
-        logits, features = self._prefill_forward([f for _, f in forwards], outputs,
-                                                 any(i.return_features for i in inputs),
-                                                 self._fast_greedy(inp for inp, _ in forwards))
+        logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
+                                         self._fast_greedy(inp for inp, _ in forwards), chunked=True)
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
             if inp.return_features:
@@ -204,6 +204,8 @@ class TargetEngine:
         (runtime/pipelined_decode.py): as many steps as every such sequence still wants and may emit, host work
         overlapped with the GPU and one readback; the sequential loop in `verify` does whatever is left. Returns the
         milliseconds spent."""
+        if not more:
+            return 0.0
         from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
 
         group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
@@ -227,39 +229,6 @@ class TargetEngine:
             out.finish = step.finish
             out.num_steps += len(step.token_ids)
         return (time.perf_counter() - start) * 1e3
-
-    def _prefill_forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool, greedy: bool):
-        """Chunked prefill (--chunked-prefill-size): forwards of at most that many tokens, a long prompt split over
-        several (its earlier chunks ask no logits), several short prompts sharing one. Same return as `_forward`:
-        per original forward its last chunk's rows and its chunks' features concatenated (None where it failed)."""
-        limit = self.runner.engine_config.chunked_prefill_size
-        if not limit or limit <= 0 or sum(len(f.token_ids) for f in forwards) <= limit:
-            return self._forward(forwards, outputs, features, greedy)
-        from runtime.chunked import plan_chunks
-
-        passes = [[(i, SeqForward(forwards[i].seq_id, forwards[i].token_ids[start:end],
-                                  logits=forwards[i].logits if end == len(forwards[i].token_ids) else "none"))
-                   for i, start, end in chunk] for chunk in plan_chunks([len(f.token_ids) for f in forwards], limit)]
-        rows: list = [None] * len(forwards)
-        feats: list[list[torch.Tensor]] = [[] for _ in forwards]
-        failed: set[int] = set()
-        total_ms = 0.0
-        for chunk in passes:
-            chunk = [(i, f) for i, f in chunk if i not in failed]
-            if not chunk:
-                continue
-            got_rows, got_feats = self._forward([f for _, f in chunk], outputs, features, greedy)
-            total_ms += self.last_forward_ms
-            for (i, f), r, ft in zip(chunk, got_rows, got_feats):
-                if r is None:  # out of KV: _forward marked it and freed the sequence
-                    failed.add(i)
-                    continue
-                if f.logits != "none":
-                    rows[i] = r
-                if ft is not None:
-                    feats[i].append(ft)
-        self.last_forward_ms = total_ms
-        return rows, [torch.cat(f) if f and i not in failed else None for i, f in enumerate(feats)]
 
     def _room(self, seq: _Seq) -> int:
         """Tokens this sequence may still emit before its length limit or the context end."""
@@ -358,19 +327,21 @@ class TargetEngine:
     @staticmethod
     def _fast_greedy(inputs) -> bool:
         """Argmax-only readback: every sequence greedy and none asking for logprobs (those need the logits)."""
-        inputs = list(inputs)
         return all(inp.sampling.is_greedy and inp.logprobs < 0 for inp in inputs)
 
     def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False,
-                 greedy: bool = False):
+                 greedy: bool = False, chunked: bool = False):
         """(rows per forward, features per forward or None). rows: logits (rows, vocab), or when greedy (every
-        sequence of the batch greedy) the host list of each row's argmax: no logits leave the device."""
+        sequence of the batch greedy) the host list of each row's argmax: no logits leave the device. chunked
+        (prefill): forwards of at most --chunked-prefill-size tokens (runtime/chunked.py), results as of one."""
         if not forwards:
             return [], []
         capture = self._capture if features and self._capture else None
+        limit = self.runner.engine_config.chunked_prefill_size if chunked else None
         start = time.perf_counter()
         try:
-            result = self.runner.forward(forwards, capture_layers=capture, outputs="argmax" if greedy else "logits")
+            result = forward_chunked(self.runner, forwards, limit, capture_layers=capture,
+                                     outputs="argmax" if greedy else "logits")
         except OutOfKVBlocks as exc:  # the pre-check should make this unreachable; fail the batch cleanly
             by_id = {o.seq_id: o for o in outputs}
             for f in forwards:

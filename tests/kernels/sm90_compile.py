@@ -48,22 +48,34 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
     return cases
 
 
-def main() -> int:
+def sm90_compiler():
+    """`compile(kernel, types, constexprs, options=None)` targeting sm_90, or a 'skip: ...' reason string when this
+    triton cannot compile for CUDA ahead of time. Shared with sm90_compile_fused.py."""
     import triton
 
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError:
-        print("skip: this triton has no ahead-of-time compiler API")
-        return 0
+        return "skip: this triton has no ahead-of-time compiler API"
     if "nvidia" not in triton.backends.backends:
-        print("skip: triton's nvidia backend is not installed")
+        return "skip: triton's nvidia backend is not installed"
+
+    def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object], options: dict | None = None):
+        signature = {**types, **{k: "constexpr" for k in constexprs}}
+        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+
+    return compile_sm90
+
+
+def main() -> int:
+    compile_sm90 = sm90_compiler()
+    if isinstance(compile_sm90, str):
+        print(compile_sm90)
         return 0
     for name, kernel, types, constexprs in _cases():
-        signature = {**types, **{k: "constexpr" for k in constexprs}}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32))
+        compiled = compile_sm90(kernel, types, constexprs)
         if compiled.metadata.shared > 227 * 1024:  # an H100/H200 SM's shared memory
             print(f"{name}: needs {compiled.metadata.shared} bytes of shared memory")
             return 1

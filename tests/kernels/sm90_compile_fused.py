@@ -1,6 +1,6 @@
 """Compile the fused elementwise kernels (kernels/norm.py, rope.py, activation.py) ahead of time for sm_90 at
-Llama-3.1-8B shapes; needs no GPU. Run as a script without TRITON_INTERPRET (see sm90_compile.py, whose main loop this
-mirrors); exits non-zero on the first kernel that fails, prints 'skip: ...' when this triton cannot target CUDA."""
+Llama-3.1-8B shapes; needs no GPU. Run as a script without TRITON_INTERPRET (see sm90_compile.py, whose compiler this
+uses); exits non-zero on the first kernel that fails, prints 'skip: ...' when this triton cannot target CUDA."""
 
 from __future__ import annotations
 
@@ -38,22 +38,14 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object], int, 
 
 
 def main() -> int:
-    import triton
+    from tests.kernels.sm90_compile import sm90_compiler
 
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        print("skip: this triton has no ahead-of-time compiler API")
-        return 0
-    if "nvidia" not in triton.backends.backends:
-        print("skip: triton's nvidia backend is not installed")
+    compile_sm90 = sm90_compiler()
+    if isinstance(compile_sm90, str):
+        print(compile_sm90)
         return 0
     for name, kernel, types, constexprs, num_warps, fp_fusion in _cases():
-        signature = {**types, **{k: "constexpr" for k in constexprs}}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
+        compiled = compile_sm90(kernel, types, constexprs, {"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
         if name.startswith("rotary[bf16") and "fma.rn.bf16" in compiled.asm["ptx"]:
             print(f"{name}: contracted a product into an fma (torch rounds each product)")
             return 1
