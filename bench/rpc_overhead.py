@@ -8,7 +8,10 @@ are separate processes in every deployment):
   * trivial: a servicer that answers at once (root+1) -> the pure round-trip cost of the transport;
   * target:  the real target service (TargetEngine on --model-path, default the bundled demo model) -> round trip,
     the handler time the service reports (StepTimings.total_ms), and the overlay = round trip - handler time, also
-    as a share of the round trip.
+    as a share of the round trip; "beyond forward" = round trip - the model forward (StepTimings.forward_ms), i.e.
+    everything an in-process engine would not pay plus the engine's own host bookkeeping. A second target server
+    with every model call on its worker thread (the pre-inline servicer, `inline_steps=False`) runs beside it, its
+    stream path alternated with the others, so the saving of inline step calls is measured side by side.
 
 Calls alternate between the two paths in blocks so drift hits both alike. Prints a table and JSON (to --out, or
 $OUT/rpc_overhead.json when $OUT is set):
@@ -63,7 +66,7 @@ class EchoTarget(pb_grpc.TargetServiceServicer):
 def _serve(kind: str, args: argparse.Namespace, port_queue) -> None:
     """Child process: serve `kind` until killed; reports the bound port (or an error string)."""
     async def main():
-        if kind == "trivial":
+        if kind == "trivial":  # target-threaded: the real target with inline_steps=False
             from protos.wire import start_server
 
             server, port, _ = await start_server(
@@ -80,7 +83,8 @@ def _serve(kind: str, args: argparse.Namespace, port_queue) -> None:
                                   cuda_graph_num_draft_tokens=args.tree_tokens + 1,
                                   cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph)
             engine = TargetEngine(ModelRunner(args.model_path, config))
-            server, port = await serve_target(engine, args.model_path, "127.0.0.1", 0)
+            server, port = await serve_target(engine, args.model_path, "127.0.0.1", 0,
+                                              inline_steps=kind != "target-threaded")
         port_queue.put(port)
         await server.wait_for_termination()
 
@@ -132,9 +136,12 @@ class Sequence:
         return len(self.committed) + self.tree_tokens + 2 < self.max_context
 
 
-async def measure(kind: str, port: int, args: argparse.Namespace) -> dict:
-    clients = {"unary": TargetClient(f"127.0.0.1:{port}", 60.0, step_streams=False),
-               "stream": TargetClient(f"127.0.0.1:{port}", 60.0, step_streams=True)}
+async def measure(kind: str, ports: dict[str, int], args: argparse.Namespace) -> dict:
+    clients = {"unary": TargetClient(f"127.0.0.1:{ports[kind]}", 60.0, step_streams=False),
+               "stream": TargetClient(f"127.0.0.1:{ports[kind]}", 60.0, step_streams=True)}
+    if "target-threaded" in ports:
+        clients["stream, threaded model calls"] = TargetClient(f"127.0.0.1:{ports['target-threaded']}", 60.0,
+                                                                step_streams=True)
     info = await clients["unary"].info(timeout_s=300)
     real = kind == "target"
     max_context = min(info.max_context_len, 1 << 30)
@@ -142,7 +149,7 @@ async def measure(kind: str, port: int, args: argparse.Namespace) -> dict:
             for i, name in enumerate(clients)}
     for name, seq in seqs.items():
         await seq.reset(clients[name], real)
-    samples = {name: {"round_trip_ms": [], "handler_ms": []} for name in clients}
+    samples = {name: {"round_trip_ms": [], "handler_ms": [], "forward_ms": []} for name in clients}
     block = max(1, args.block)
     total = args.warmup + args.iters
     done = {name: 0 for name in clients}
@@ -157,6 +164,7 @@ async def measure(kind: str, port: int, args: argparse.Namespace) -> dict:
                 if done[name] >= args.warmup:
                     samples[name]["round_trip_ms"].append(elapsed)
                     samples[name]["handler_ms"].append(response.timings.total_ms)
+                    samples[name]["forward_ms"].append(response.timings.forward_ms)
                 done[name] += 1
                 if not seq.advance(response):
                     await seq.reset(client, real)
@@ -171,6 +179,8 @@ async def measure(kind: str, port: int, args: argparse.Namespace) -> dict:
         overlay = [r - h for r, h in zip(rt, handler)]
         out[name] = {"n": len(rt), "mean_ms": statistics.fmean(rt), "p50_ms": _pct(rt, 50), "p90_ms": _pct(rt, 90),
                      "p99_ms": _pct(rt, 99), "handler_mean_ms": statistics.fmean(handler),
+                     "forward_mean_ms": statistics.fmean(s["forward_ms"]),
+                     "beyond_forward_mean_ms": statistics.fmean(rt) - statistics.fmean(s["forward_ms"]),
                      "overlay_mean_ms": statistics.fmean(overlay), "overlay_p50_ms": _pct(overlay, 50),
                      "overlay_share_of_round_trip": statistics.fmean(overlay) / statistics.fmean(rt)}
     return out
@@ -183,17 +193,23 @@ def _pct(values: list[float], q: float) -> float:
 
 def run_kind(kind: str, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")  # a fresh interpreter: no grpc/torch state shared with the parent
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_serve, args=(kind, args, queue), daemon=True)
-    proc.start()
+    kinds = [kind, "target-threaded"] if kind == "target" else [kind]
+    procs, ports = [], {}
     try:
-        port = queue.get(timeout=600)
-        if isinstance(port, str):
-            raise SystemExit(f"error: the {kind} server failed to start: {port}")
-        return asyncio.run(measure(kind, port, args))
+        for k in kinds:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_serve, args=(k, args, queue), daemon=True)
+            proc.start()
+            procs.append(proc)
+            port = queue.get(timeout=600)
+            if isinstance(port, str):
+                raise SystemExit(f"error: the {k} server failed to start: {port}")
+            ports[k] = port
+        return asyncio.run(measure(kind, ports, args))
     finally:
-        proc.kill()
-        proc.join(timeout=10)
+        for proc in procs:
+            proc.kill()
+            proc.join(timeout=10)
 
 
 def main() -> None:
@@ -217,17 +233,23 @@ def main() -> None:
     results = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "servers": {}}
     for kind in args.servers:
         results["servers"][kind] = run_kind(kind, args)
-    rows = ["| server | path | round trip mean / p50 / p90 / p99 (ms) | handler (ms) | overlay (ms) | overlay share |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| server | path | round trip mean / p50 / p90 / p99 (ms) | handler (ms) | overlay (ms) | overlay share "
+            "| forward (ms) | beyond forward (ms) |", "|---|---|---|---|---|---|---|---|"]
     for kind, paths in results["servers"].items():
         for name, r in paths.items():
             rows.append(f"| {kind} | {name} | {r['mean_ms']:.3f} / {r['p50_ms']:.3f} / {r['p90_ms']:.3f} / "
                         f"{r['p99_ms']:.3f} | {r['handler_mean_ms']:.3f} | {r['overlay_mean_ms']:.3f} | "
-                        f"{100 * r['overlay_share_of_round_trip']:.1f}% |")
+                        f"{100 * r['overlay_share_of_round_trip']:.1f}% | {r['forward_mean_ms']:.3f} | "
+                        f"{r['beyond_forward_mean_ms']:.3f} |")
         if {"unary", "stream"} <= set(paths):
             saved = paths["unary"]["overlay_mean_ms"] - paths["stream"]["overlay_mean_ms"]
             results["servers"][kind]["stream_saves_ms"] = saved
-            rows.append(f"| {kind} | stream saves | {saved:.3f} ms per call | | | |")
+            rows.append(f"| {kind} | stream saves | {saved:.3f} ms per call | | | | | |")
+        threaded = paths.get("stream, threaded model calls")
+        if threaded:
+            saved = threaded["beyond_forward_mean_ms"] - paths["stream"]["beyond_forward_mean_ms"]
+            results["servers"][kind]["inline_saves_ms"] = saved
+            rows.append(f"| {kind} | inline step calls save | {saved:.3f} ms per call (beyond forward) | | | | | |")
     print(json.dumps(results, indent=1))
     print("\n".join(rows))
     out = args.out or (os.path.join(os.environ["OUT"], "rpc_overhead.json") if os.environ.get("OUT") else None)

@@ -110,6 +110,16 @@ class Proposer(abc.ABC):
             self._on_release(seq_id)
         return released
 
+    def catch_up_tokens(self, inputs: list[ProposeInput]) -> int:
+        """Committed tokens a Propose of these inputs runs through the draft model before drafting, all sequences
+        together (the part of its work a request can make unbounded: the draft's first Propose after a prefill
+        catches up the whole prompt). Proposers without a model count the new tokens."""
+        total = 0
+        for inp in inputs:
+            seen = self._model_kv_len(inp.seq_id)
+            total += len(inp.new_token_ids) if seen is None else max(0, inp.committed_len - seen)
+        return total
+
     @property
     def num_seqs(self) -> int:
         return len(self._tokens)
@@ -141,6 +151,11 @@ class Proposer(abc.ABC):
         return kept
 
     # Hooks for subclasses.
+    def _model_kv_len(self, seq_id: str) -> int | None:
+        """Committed positions the draft model's KV already covers for this sequence (0 if none); None for
+        proposers without a draft model."""
+        return None
+
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """The proposer's greedy next token after each sequence's tokens (pre-drafts); absent = cannot guess."""
         return {}

@@ -1,33 +1,37 @@
-"""gRPC servicer of the draft service: Prefill/Propose/Release over one Proposer, model work off the event loop."""
+"""gRPC servicer of the draft service: Prefill/Propose/Release over one Proposer.
+
+Model work is serialised by a ModelWorker (protos/model_worker.py): a Propose whose catch-up is short (at most
+INLINE_MAX_CATCH_UP tokens the draft has not run yet) and Release run inline on the event loop, saving the worker-thread
+round trip on every step; Prefill and long catch-ups (a feature draft's first Propose runs the whole prompt) run on the
+worker thread so the loop keeps answering health checks."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from draft_service import convert
 from draft_service.proposer import Proposer
+from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
 
 logger = logging.getLogger(__name__)
+# A Propose whose draft must first run at most this many committed tokens (all sequences together) runs inline.
+INLINE_MAX_CATCH_UP = 256
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None, metrics=None):
+    def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None, metrics=None,
+                 inline_steps: bool = True):
         self.proposer = proposer
         self.model_path = model_path
         self.info = info or {}
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.worker = ModelWorker("draft-model", inline_steps)
 
     def _memory(self) -> pb.MemoryState:
         free, total = self.proposer.memory()
@@ -44,7 +48,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         def run():
             return [(seq_id, self.proposer.prefill(seq_id, tokens, features)) for seq_id, tokens, features in inputs]
 
-        results = await self._run(run)
+        results = await self.worker.run(run)
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", time.perf_counter() - start, len(request.seqs))
         return pb.DraftPrefillResponse(
@@ -65,7 +69,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             inputs = convert.propose_inputs(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = await self._run(self.proposer.propose, inputs)
+        bounded = self.proposer.catch_up_tokens(inputs) <= INLINE_MAX_CATCH_UP
+        outputs = await self.worker.run(self.proposer.propose, inputs, inline=bounded)
         elapsed = (time.perf_counter() - start) * 1e3
         if self.metrics is not None:
             self.metrics.observe_forward("Propose", elapsed / 1e3, len(inputs))
@@ -73,7 +78,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                                   timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        released = await self._run(self.proposer.release, list(request.seq_ids))
+        released = await self.worker.run(self.proposer.release, list(request.seq_ids), inline=True)
         return pb.ReleaseResponse(num_released=released, memory=self._memory())
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
@@ -82,15 +87,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 
 async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,
-                      metrics=None, credentials=None):
+                      metrics=None, credentials=None, inline_steps: bool = True):
     """Start the draft gRPC server; returns (server, bound_port).
-    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS."""
-    servicer = DraftServicer(proposer, model_path, info, metrics)
+    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
+    inline_steps=False runs every model call on the worker thread."""
+    servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps)
     if metrics is not None:
         metrics.bind_memory(lambda: (*proposer.memory(), proposer.num_seqs))
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port,
         interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
+    server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
     logger.info("draft service (%s) listening on %s:%d", proposer.algorithm, host, bound)
     return server, bound

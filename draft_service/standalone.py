@@ -30,6 +30,9 @@ class StandaloneProposer(Proposer):
     def _on_prefill(self, seq_id: str) -> None:
         self.runner.add_seq(seq_id)
 
+    def _model_kv_len(self, seq_id: str) -> int:
+        return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
+
     def _on_rollback(self, seq_id: str, kept_len: int) -> None:
         if self.runner.kv_len(seq_id) > kept_len:
             self.runner.truncate(seq_id, kept_len)

@@ -304,6 +304,12 @@ class SyntheticProposer(Proposer):
         state = self._seq[seq_id]
         state.checked = min(state.checked, kept_len)
 
+    def _model_kv_len(self, seq_id: str) -> int | None:
+        if self.head is None:
+            return None
+        runner = self.head.runner
+        return runner.kv_len(seq_id) if runner.has_seq(seq_id) else 0
+
     def _on_release(self, seq_id: str) -> None:
         self._seq.pop(seq_id, None)
         if self.head is not None:

@@ -122,8 +122,9 @@ class Scheduler:
             while True:
                 remaining = seq.deadline - time.monotonic()
                 try:
-                    item = await asyncio.wait_for(seq.queue.get(), timeout=max(remaining, 0.0) + 5.0)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(max(remaining, 0.0) + 5.0):
+                        item = await seq.queue.get()
+                except TimeoutError:
                     raise DeadlineExceeded("request deadline exceeded") from None
                 self.metrics.on_item(seq, item)
                 if isinstance(item, BaseException):

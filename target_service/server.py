@@ -1,17 +1,18 @@
 """gRPC servicer of the target service: decodes step RPCs, runs the TargetEngine off the event loop, encodes results.
 
-Model work runs on one worker thread (calls are serialised: one batched forward at a time) so the event loop stays
-free for health checks and new calls. Input errors become INVALID_ARGUMENT; nothing here holds state of its own.
+Model work is serialised (one batched forward at a time) by a ModelWorker: step calls (Verify of a tree, or of up to
+INLINE_MAX_DECODE_STEPS decode steps) run inline on the event loop, which saves the worker-thread round trip on every
+step; Prefill and longer calls run on the worker thread so the loop stays free for health checks and new calls.
+Input errors become INVALID_ARGUMENT; nothing here holds state of its own.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -20,17 +21,16 @@ from target_service import convert
 from target_service.engine import TargetEngine
 
 logger = logging.getLogger(__name__)
+# A Verify asking at most this many decode steps per sequence runs inline on the event loop (bounded work).
+INLINE_MAX_DECODE_STEPS = 16
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, model_path: str, metrics=None):
+    def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True):
         self.engine = engine
         self.model_path = model_path
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-model")
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.worker = ModelWorker("target-model", inline_steps)
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -43,7 +43,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             inputs = convert.prefill_inputs(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = await self._run(self.engine.prefill, inputs)
+        outputs = await self.worker.run(self.engine.prefill, inputs)
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.TargetPrefillResponse(
@@ -65,7 +65,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             inputs = convert.verify_inputs(request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = await self._run(self.engine.verify, inputs)
+        bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
+        outputs = await self.worker.run(self.engine.verify, inputs, inline=bounded)
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.VerifyResponse(
@@ -74,7 +75,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                    total_ms=(time.perf_counter() - start) * 1e3))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        released = await self._run(self.engine.release, list(request.seq_ids))
+        released = await self.worker.run(self.engine.release, list(request.seq_ids), inline=True)
         return pb.ReleaseResponse(num_released=released, memory=self._memory())
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
@@ -87,10 +88,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
 
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
-                       credentials=None):
+                       credentials=None, inline_steps: bool = True):
     """Start the target gRPC server; returns (server, bound_port).
-    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS."""
-    servicer = TargetServicer(engine, model_path, metrics)
+    metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
+    inline_steps=False runs every model call on the worker thread."""
+    servicer = TargetServicer(engine, model_path, metrics, inline_steps)
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
@@ -98,5 +100,6 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
         lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,
         interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
+    server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
     logger.info("target service listening on %s:%d", host, bound)
     return server, bound

@@ -42,9 +42,10 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
-                      dtype: str = "float32", num_continuous_decode_steps: int = 1):
+                      dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
-    device/dtype: of both model services (tests/gpu runs the same stack on CUDA)."""
+    device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
+    ModelWorker mode."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -62,7 +63,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
                    else {"final_norm_features": True})
     servers = []
-    server, port = await serve_target(TargetEngine(target_runner, **capture), str(target_path), "127.0.0.1", 0)
+    server, port = await serve_target(TargetEngine(target_runner, **capture), str(target_path), "127.0.0.1", 0,
+                                      inline_steps=inline_steps)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
     draft = None
@@ -76,7 +78,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
 
         proposer = NgramDraft(NgramConfig(num_draft_tokens=num_draft_tokens, **(ngram_kwargs or {})))
     if proposer is not None:
-        server, port = await serve_draft(proposer, str(draft_path or ""), "127.0.0.1", 0)
+        server, port = await serve_draft(proposer, str(draft_path or ""), "127.0.0.1", 0, inline_steps=inline_steps)
         servers.append(server)
         draft = DraftClient(f"127.0.0.1:{port}")
     info = await target.info()
@@ -92,6 +94,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
     scheduler.test_proposer = proposer
     scheduler.test_servers = servers
+    scheduler.test_servicers = [s.servicer for s in servers]
     try:
         yield scheduler
     finally:
