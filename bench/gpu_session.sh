@@ -41,10 +41,15 @@ for s in $STAGES; do
         cat "$R/serve_decode_k$k/results.md" 2>/dev/null || tail -5 "$R/serve_decode_k$k.log"
       done ;;
     eval)  # the demo family: every method's tau + batch-1 tok/s + HF generate/assisted/prompt lookup, one run
-      timeout 260 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
+      timeout 240 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
         --prompts $M/heldout_prompts.jsonl --device cuda --temperatures 0 1 --speed-prompts 5 \
         --out "$R/spec_eval_h200.json" > "$R/spec_eval.log" 2>&1
-      cat "$R/spec_eval_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval.log" ;;
+      cat "$R/spec_eval_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval.log"
+      # the same family on the held-out chat prompts (ChatML, answers stop at <|im_end|>)
+      timeout 200 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
+        --prompts $M/heldout_chat_prompts.jsonl --device cuda --temperatures 0 1 --speed-prompts 5 --stop-at-eos \
+        --out "$R/spec_eval_chat_h200.json" > "$R/spec_eval_chat.log" 2>&1
+      cat "$R/spec_eval_chat_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval_chat.log" ;;
     accept)  # the same family through the services (three processes, gRPC Generate)
       timeout 240 python3 bench/accept.py --num-prompts 5 --max-new-tokens 64 --hf-peers cuda --configs AR EAGLE3-tree EAGLE-tree \
         STANDALONE-tree NGRAM --out "$R/accept_h200.json" -- --device cuda --cuda-graph-max-bs 4 > "$R/accept.log" 2>&1

@@ -88,8 +88,9 @@ class EngineBench:
         return self._proposers[algorithm]
 
     def run(self, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-            batch_size: int = 64) -> dict:
-        """Generate max_new_tokens for every prompt; returns tau, steps, tokens, seconds, tokens/s."""
+            batch_size: int = 64, stop_at_eos: bool = False) -> dict:
+        """Generate max_new_tokens for every prompt (fewer where a sequence emits the target's EOS, when
+        stop_at_eos); returns tau, steps, tokens, seconds, tokens/s."""
         from target_service.engine import TargetEngine
 
         proposer = None
@@ -105,7 +106,9 @@ class EngineBench:
         for b in range(0, len(prompts), batch_size):
             if method.algorithm in ("STANDALONE", "NGRAM"):
                 proposer = self.proposer(method.algorithm, method.num_draft_tokens)
-            s, t = _generate(engine, proposer, method, prompts[b:b + batch_size], max_new_tokens, temperature, b)
+            eos = self.runner.model_config.eos_token_ids if stop_at_eos else None
+            s, t = _generate(engine, proposer, method, prompts[b:b + batch_size], max_new_tokens, temperature, b,
+                             eos)
             steps, tokens = steps + s, tokens + t
         _sync(self.runner.device)
         seconds = time.perf_counter() - start
@@ -116,8 +119,9 @@ class EngineBench:
 
 
 def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-              offset: int) -> tuple[int, int]:
-    """(verify steps, generated tokens) over one batch; the prefill's first token is not a speculative step."""
+              offset: int, eos_token_ids=None) -> tuple[int, int]:
+    """(verify steps, generated tokens) over one batch; the prefill's first token is not a speculative step.
+    eos_token_ids: stop a sequence at these (None: ignore EOS, always max_new_tokens)."""
     from draft_service.proposer import ProposeInput, SpecShape
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
@@ -127,7 +131,8 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
     spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
     ids = [f"p{offset + i}" for i in range(len(prompts))]
     sampling = {s: SamplingParams(temperature=temperature, seed=offset + i) for i, s in enumerate(ids)}
-    stops = {s: StopRule(max_new_tokens, ignore_eos=True, prompt_len=len(p)) for s, p in zip(ids, prompts)}
+    stops = {s: StopRule(max_new_tokens, frozenset(eos_token_ids or ()), ignore_eos=eos_token_ids is None,
+                         prompt_len=len(p)) for s, p in zip(ids, prompts)}
     outs = engine.prefill([PrefillInput(s, list(p), True, sampling[s], stops[s], return_features=feats)
                            for s, p in zip(ids, prompts)])
     committed = {o.seq_id: list(p) + o.token_ids for o, p in zip(outs, prompts)}
@@ -164,19 +169,22 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
 
 
 def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assistant=None,
-                    prompt_lookup_num_tokens: int | None = None) -> dict:
-    """Batch-1 greedy HF generate over the prompts (ignore eos): plain, assisted or prompt lookup."""
+                    prompt_lookup_num_tokens: int | None = None, eos_token_ids=None) -> dict:
+    """Batch-1 greedy HF generate over the prompts: plain, assisted or prompt lookup; ignoring EOS unless
+    eos_token_ids are given."""
     device = next(target.parameters()).device
-    kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                        eos_token_id=None, pad_token_id=0)
+    kwargs: dict = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    if eos_token_ids:
+        kwargs["eos_token_id"] = list(eos_token_ids)
+    else:
+        kwargs.update(min_new_tokens=max_new_tokens, eos_token_id=None)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
     if prompt_lookup_num_tokens:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     ids0 = torch.tensor([prompts[0]], device=device)
     with torch.no_grad():
-        target.generate(ids0, attention_mask=torch.ones_like(ids0), **dict(kwargs, max_new_tokens=8,
-                                                                            min_new_tokens=8))  # warm-up
+        target.generate(ids0, attention_mask=torch.ones_like(ids0), **dict(kwargs, max_new_tokens=8))  # warm-up
         _sync(device)
         start, tokens = time.perf_counter(), 0
         for p in prompts:
@@ -191,10 +199,11 @@ def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assis
 def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, prompts: list[list[int]],
              device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
              eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None,
-             only: list[str] | None = None, cuda_graphs: str = "all") -> dict:
+             only: list[str] | None = None, cuda_graphs: str = "all", stop_at_eos: bool = False) -> dict:
     """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
     speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
-    remaining measurements are skipped and listed under "skipped". `only`: measure just these method names."""
+    remaining measurements are skipped and listed under "skipped". `only`: measure just these method names.
+    stop_at_eos: sequences (and the HF peers) stop at the target's EOS ids (chat prompts) instead of ignoring them."""
     from transformers import AutoModelForCausalLM
 
     bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path, cuda_graphs=cuda_graphs)
@@ -213,12 +222,12 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
             continue
         for temp in temperatures:
             batch = 1 if m.algorithm == "NGRAM" else 64  # the NGRAM trie is global: one prompt per trie
-            r = bench.run(m, prompts, max_new_tokens, temp, batch_size=batch)
+            r = bench.run(m, prompts, max_new_tokens, temp, batch_size=batch, stop_at_eos=stop_at_eos)
             row[f"tau_t{temp:g}"] = round(r["tau"], 3)
             log(f"{m.name} T={temp:g}: tau {r['tau']:.3f} ({r['tokens']} tokens, {r['target_steps']} target steps, "
                 f"{r['seconds']:.1f}s at batch {r['batch_size']})")
         if speed_prompts and not late():
-            r = bench.run(m, prompts[:speed_prompts], max_new_tokens, 0.0, batch_size=1)
+            r = bench.run(m, prompts[:speed_prompts], max_new_tokens, 0.0, batch_size=1, stop_at_eos=stop_at_eos)
             row["tokens_per_s_b1"] = round(r["tokens_per_s"], 1)
             log(f"{m.name}: {r['tokens_per_s']:.1f} tok/s at batch 1 (greedy)")
         rows.append(row)
@@ -237,10 +246,11 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
             if late():
                 skipped.append(name)
                 continue
-            r = hf_tokens_per_s(target, sp, max_new_tokens, **kw)
+            eos = bench.runner.model_config.eos_token_ids if stop_at_eos else None
+            r = hf_tokens_per_s(target, sp, max_new_tokens, eos_token_ids=eos, **kw)
             peers.append({"method": name, "tokens_per_s_b1": round(r["tokens_per_s"], 1)})
             log(f"{name}: {r['tokens_per_s']:.1f} tok/s at batch 1 (greedy)")
-    return {"device": device, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+    return {"device": device, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
             "speed_prompts": speed_prompts, "engine": rows, "hf": peers, "skipped": skipped}
 
 
@@ -248,8 +258,9 @@ def markdown(result: dict) -> str:
     ar = next((r.get("tokens_per_s_b1") for r in result["engine"] if r["method"] == "AR"), None)
     temps = sorted({k for r in result["engine"] for k in r if k.startswith("tau_")})
     columns = ["method", *(f"τ (T={t[5:]})" for t in temps), "tok/s (batch 1, greedy)", "vs AR"]
-    lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {result['max_new_tokens']} new "
-             f"tokens; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
+    upto = "up to " if result.get("stop_at_eos") else ""
+    lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {upto}{result['max_new_tokens']} new "
+             f"tokens{' (stop at EOS)' if upto else ''}; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
     for r in result["engine"] + result["hf"]:
         tps = r.get("tokens_per_s_b1")
@@ -282,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                    help='measure only these methods, by name (e.g. "EAGLE chain 3/1/4"); default: all that apply')
     p.add_argument("--cuda-graphs", choices=["all", "target", "none"], default="all",
                    help="CUDA graphs for target and drafts (as served), the target only, or none")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at the target's EOS ids (chat prompts: answers end at <|im_end|>); default: ignore EOS")
     p.add_argument("--out", default=None, help="write JSON here and the markdown table beside it (.md)")
     args = p.parse_args(argv)
     if args.threads:
@@ -289,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
                       args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle,
-                      only=args.methods, cuda_graphs=args.cuda_graphs)
+                      only=args.methods, cuda_graphs=args.cuda_graphs, stop_at_eos=args.stop_at_eos)
     table = markdown(result)
     print(table)
     if args.out:
