@@ -73,6 +73,7 @@ class StepResult:
     num_steps: int = 1  # target forward steps covered (continuous decode: several)
     # per token when asked: (logprob, top token ids, top logprobs)
     logprobs: list[tuple[float, list[int], list[float]]] | None = None
+    num_cached_tokens: int = 0  # prefill: prompt tokens the target took from its prefix cache
 
 
 @dataclass
@@ -250,7 +251,8 @@ class TargetClient(_Client):
             for i in items])
         response = await self._call(self.stub.Prefill, request)
         return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error,
-                           features=_features_from_pb(r.hidden), logprobs=_logprobs(r)) for r in response.results]
+                           features=_features_from_pb(r.hidden), logprobs=_logprobs(r),
+                           num_cached_tokens=r.num_cached_tokens) for r in response.results]
 
     async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         request = pb.VerifyRequest(seqs=[

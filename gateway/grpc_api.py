@@ -166,5 +166,5 @@ def _response(request_id: str, chunk: GenerateChunk) -> pb.GenerateResponse:
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, verify_steps=u.verify_steps,
             accepted_draft_tokens=u.accepted_draft_tokens, proposed_draft_tokens=u.proposed_draft_tokens,
             mean_accept_length=u.mean_accept_length, predraft_hits=u.predraft_hits,
-            predraft_misses=u.predraft_misses))
+            predraft_misses=u.predraft_misses, cached_prompt_tokens=u.cached_prompt_tokens))
     return response

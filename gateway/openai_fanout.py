@@ -32,7 +32,8 @@ def total_usage(usages: list[Usage]) -> Usage:
                  accepted_draft_tokens=sum(u.accepted_draft_tokens for u in usages),
                  proposed_draft_tokens=sum(u.proposed_draft_tokens for u in usages),
                  predraft_hits=sum(u.predraft_hits for u in usages),
-                 predraft_misses=sum(u.predraft_misses for u in usages))
+                 predraft_misses=sum(u.predraft_misses for u in usages),
+                 cached_prompt_tokens=max(u.cached_prompt_tokens for u in usages))
 
 
 async def merge(streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tuple[int, GenerateChunk]]:

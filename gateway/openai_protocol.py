@@ -93,6 +93,7 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
         "completion_tokens_details": {
             "accepted_prediction_tokens": usage.accepted_draft_tokens,
             "rejected_prediction_tokens": rejected,

@@ -286,6 +286,8 @@ class Scheduler:
             return
         for seq, result in zip(seqs, results):
             seq.needs_target_prefill = False
+            if seq.num_output == 0:  # the first prefill: what the prompt got from the target's prefix cache
+                seq.cached_prompt_tokens = result.num_cached_tokens
             if feats:
                 seq.features.reset(result.features)
             if result.status == STATUS_OOM:

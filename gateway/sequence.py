@@ -51,6 +51,7 @@ class Sequence:
         self.predraft: Predraft | None = None  # overlapped drafting: the tree pre-drafted for the next step
         self.predraft_hits = 0
         self.predraft_misses = 0
+        self.cached_prompt_tokens = 0  # prompt tokens the target's prefix cache served at the first prefill
         self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
         self._stops = StopStringMatcher(params.stop) if params.detokenize and params.stop else None
 
@@ -68,7 +69,7 @@ class Sequence:
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=self.num_output,
                      verify_steps=self.verify_steps, accepted_draft_tokens=self.accepted_draft_tokens,
                      proposed_draft_tokens=self.proposed_draft_tokens, predraft_hits=self.predraft_hits,
-                     predraft_misses=self.predraft_misses)
+                     predraft_misses=self.predraft_misses, cached_prompt_tokens=self.cached_prompt_tokens)
 
     def commit(self, token_ids: list[int], finish: FinishReason | None,
                logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:

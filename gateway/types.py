@@ -110,6 +110,7 @@ class Usage:
     proposed_draft_tokens: int = 0
     predraft_hits: int = 0  # overlapped drafting: steps whose tree was pre-drafted during the previous verify
     predraft_misses: int = 0  # pre-drafts dropped because the verify outcome differed from the guess
+    cached_prompt_tokens: int = 0  # prompt tokens served from the target's prefix cache
 
     @property
     def mean_accept_length(self) -> float:

@@ -163,6 +163,9 @@ class EngineConfig:
     # torch.compile the forward captured by the graphs of <= torch_compile_max_bs sequences (see CudaGraphRunner)
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    # Reuse the KV of full blocks of committed tokens across sequences with the same prefix (kv_cache.BlockManager);
+    # the target service turns it on unless --disable-radix-cache. Off under tensor parallelism.
+    enable_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -167,7 +167,8 @@ class ModelRunner:
 
     def _init_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
-        self.block_manager = BlockManager(num_blocks, self.engine_config.block_size)
+        self.block_manager = BlockManager(num_blocks, self.engine_config.block_size,
+                                          prefix_cache=self.engine_config.enable_prefix_cache and self.tp is None)
         self.kv_pool = KVPool(cfg.num_layers, num_blocks, self.engine_config.block_size, self.num_local_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
 
@@ -198,13 +199,28 @@ class ModelRunner:
         return plan
 
     # ---- sequence lifecycle ----------------------------------------------------------------------------------------
-    def add_seq(self, seq_id: str) -> None:
+    def add_seq(self, seq_id: str, prefix_tokens: list[int] | None = None) -> int:
+        """A new, empty sequence. With the prefix cache on, `prefix_tokens` (tokens the caller would write first)
+        are looked up: the sequence starts with the KV of their longest cached prefix in place; returns its length
+        (a multiple of the block size; 0 without a hit), the KV index the caller's first forward starts at."""
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id!r} already exists")
-        self.block_manager.allocate_seq(seq_id, 0)
-        self._seqs[seq_id] = _SeqState()
-        if self._mirror is not None:
+        cached = self.block_manager.allocate_seq(seq_id, 0, prefix_tokens)
+        self._seqs[seq_id] = _SeqState(kv_len=cached)
+        if self._mirror is not None:  # TP runs without the prefix cache: cached is 0 on every rank
             self._mirror.record("add_seq", seq_id)
+        return cached
+
+    def cache_prefix(self, seq_id: str, tokens: list[int]) -> None:
+        """The sequence's KV holds `tokens` (its committed tokens, at least the first kv_len): make its full blocks
+        reusable by later sequences with the same prefix. No-op without the prefix cache or while a tree is open."""
+        state = self._state(seq_id)
+        if self.block_manager.prefix_cache and state.region_start is None:
+            self.block_manager.register(seq_id, tokens, state.kv_len)
+
+    def prefix_cache_match(self, tokens: list[int]) -> int:
+        """Leading tokens of `tokens` the prefix cache holds (what add_seq would reuse); 0 without the cache."""
+        return self.block_manager.match_prefix(tokens)
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -236,7 +252,7 @@ class ModelRunner:
         state = self._state(seq_id)
         if not 0 <= kv_len <= state.kv_len:
             raise ValueError(f"truncate seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}]")
-        self.block_manager.truncate(seq_id, kv_len)
+        self._copy_blocks(self.block_manager.truncate(seq_id, kv_len))
         state.kv_len = kv_len
         state.close_region()
         if self._mirror is not None:
@@ -258,7 +274,7 @@ class ModelRunner:
             src_t, dst_t = self._long(src + dst).split(len(moves))
             self.kv_pool.copy_slots(src_t, dst_t)
         new_len = start + len(region_nodes)
-        self.block_manager.truncate(seq_id, new_len)
+        self._copy_blocks(self.block_manager.truncate(seq_id, new_len))
         state.kv_len = new_len
         state.close_region()
         if self._mirror is not None:  # the other ranks keep rank 0's accepted nodes in their own KV heads
@@ -374,6 +390,16 @@ class ModelRunner:
         if want_argmax:
             argmax = all_logits.argmax(dim=-1) if all_logits is not None else rows.new_empty(0)
         return fb, new_regions, out.aux_hidden, rows_hidden, all_logits if want_logits else None, argmax, None
+
+    def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy-on-write of a shared cached block a truncation cut into: its first n slots into the private block."""
+        if not copies:
+            return
+        bs = self.block_manager.block_size
+        src = [b * bs + i for b, _, n in copies for i in range(n)]
+        dst = [d * bs + i for _, d, n in copies for i in range(n)]
+        src_t, dst_t = self._long(src + dst).split(len(src))
+        self.kv_pool.copy_slots(src_t, dst_t)
 
     def _state(self, seq_id: str) -> _SeqState:
         try:

@@ -36,6 +36,7 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--cuda-graph-max-bs", str(args.cuda_graph_max_bs),
               "--torch-compile-max-bs", str(args.torch_compile_max_bs)]
     flags += ["--disable-cuda-graph"] * args.disable_cuda_graph + ["--enable-torch-compile"] * args.enable_torch_compile
+    flags += ["--disable-radix-cache"] * getattr(args, "disable_radix_cache", False)
     if getattr(args, "cuda_graph_max_bs_decode", None) is not None:
         flags += ["--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs_decode)]
     return flags

@@ -89,6 +89,11 @@ class ServiceMetrics:
         self.kv_usage.labels(self.service).set_function(lambda: _usage(*memory()[:2]))
         self.num_seqs.labels(self.service).set_function(lambda: memory()[2])
 
+    def bind_prefix_cache(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """stats() -> (prompt tokens looked up, of those found cached, tokens held by cached blocks), read at scrape
+        time: vLLM's prefix_cache_queries / prefix_cache_hits counters (hit rate = hits / queries)."""
+        self.registry.register(_PrefixCacheCollector(self.service, stats))
+
     def observe_forward(self, rpc: str, seconds: float, batch_size: int) -> None:
         self.forward_time.labels(self.service, rpc).observe(seconds)
         self.batch_size.labels(self.service, rpc).observe(batch_size)
@@ -127,6 +132,27 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 self._duration(self._service, rpc).observe(time.perf_counter() - start)
 
         return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+
+
+class _PrefixCacheCollector:
+    def __init__(self, service: str, stats: Callable[[], tuple[int, int, int]]):
+        self.service, self.stats = service, stats
+
+    def describe(self):
+        return []  # no names reserved up front: collected only once bound
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        queries, hits, cached = self.stats()
+        for name, doc, value in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries),
+                                 ("prefix_cache_hits", "Prompt tokens served from the prefix cache", hits)):
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["service"])
+            family.add_metric([self.service], value)
+            yield family
+        gauge = GaugeMetricFamily(PREFIX + "prefix_cache_tokens", "Tokens held by cached KV blocks", labels=["service"])
+        gauge.add_metric([self.service], cached)
+        yield gauge
 
 
 def _usage(free: int, total: int) -> float:

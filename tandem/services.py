@@ -36,7 +36,9 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
     if draft and steps and topk:  # the draft's tree steps: topk tokens per sequence over tails up to steps * topk
         kwargs["cuda_graph_num_draft_tokens"] = topk if topk > 1 else None
         kwargs["cuda_graph_mask_width"] = steps * topk
-    if target:  # the verify width the target's graphs are captured for
+    if target:  # the verify width the target's graphs are captured for; the prefix cache (off under TP)
+        kwargs["enable_prefix_cache"] = (not getattr(args, "disable_radix_cache", False)
+                                         and getattr(args, "tp_size", 1) == 1)
         kwargs["cuda_graph_num_draft_tokens"] = getattr(args, "speculative_num_draft_tokens", None)
         if getattr(args, "speculative_adaptive", False):  # one verify width per adaptive tier (steps + 1)
             kwargs["cuda_graph_extra_widths"] = tuple(s + 1 for s in adaptive_steps(args) if s > 0)

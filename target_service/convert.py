@@ -51,7 +51,8 @@ def verify_inputs(request: pb.VerifyRequest) -> list[VerifyInput]:
 
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
     msg = pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
-                                 finish_reason=int(out.finish), error=out.error, logprobs=_logprobs_pb(out))
+                                 finish_reason=int(out.finish), error=out.error, logprobs=_logprobs_pb(out),
+                                 num_cached_tokens=out.num_cached_tokens)
     if out.features is not None:
         msg.hidden.CopyFrom(tensor_to_pb(out.features))
     return msg

@@ -87,6 +87,7 @@ class StepOutput:
     num_steps: int = 1  # target forward steps this output covers (continuous decode: up to num_decode_steps)
     # per emitted token when asked: (logprob, top token ids, top logprobs) under the raw target distribution
     logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -118,19 +119,22 @@ class TargetEngine:
         self.device = runner.device
         self.max_context_len = runner.model_config.max_position_embeddings
         self._seqs: dict[str, _Seq] = {}
+        self._prefix_cache = runner.block_manager.prefix_cache
         self.last_forward_ms = 0.0
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
             runner.set_graph_capture_layers(self._capture)
 
     # ---------------------------------------------------------------- lifecycle
     def prefill(self, inputs: list[PrefillInput]) -> list[StepOutput]:
+        """Prompts into KV, one forward for the batch (chunked when long). With the prefix cache on, a prompt's
+        leading full blocks already cached are reused (at least its last token is computed: its logits sample the
+        first token); requests returning features compute every prompt token (a draft needs all of them)."""
         outputs: list[StepOutput] = []
         forwards: list[tuple[PrefillInput, SeqForward]] = []
-        budget = self.runner.num_free_tokens()
+        pending = 0  # KV slots the queued forwards will take
         for inp in inputs:
             if inp.seq_id in self._seqs:  # re-sync: start over from the gateway's committed list
                 self.release([inp.seq_id])
-                budget = self.runner.num_free_tokens()
             out = StepOutput(inp.seq_id)
             outputs.append(out)
             error = self._check_prefill(inp)
@@ -138,20 +142,26 @@ class TargetEngine:
                 out.status, out.error = Status.INVALID, error
                 continue
             kv_tokens = inp.token_ids if inp.sample_next_token else inp.token_ids[:-1]
-            need = self._tokens_needed(len(kv_tokens))
+            lookup = kv_tokens[:-1] if self._prefix_cache and not inp.return_features else None
+            cached = self.runner.add_seq(inp.seq_id, lookup)  # claims the cached blocks it reuses
+            need = self._tokens_needed(len(kv_tokens) - cached)
+            budget = self.runner.num_free_tokens() - pending
             if need > budget:
+                self.runner.free_seq(inp.seq_id)
                 out.status, out.error = Status.OUT_OF_MEMORY, f"needs {need} KV slots, {budget} free"
                 continue
-            budget -= need
+            pending += need
+            out.num_cached_tokens = cached
             self._seqs[inp.seq_id] = _Seq(list(inp.token_ids), inp.sampling, inp.stop, self._generator(inp.sampling))
-            self.runner.add_seq(inp.seq_id)
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
-                forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens), logits=logits)))
+                forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens[cached:]), logits=logits)))
         logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
                                          self._fast_greedy(inp for inp, _ in forwards), chunked=True)
         by_id = {o.seq_id: o for o in outputs}
         for (inp, _), rows, feats in zip(forwards, logits, features):
+            if inp.seq_id in self._seqs and self.runner.has_seq(inp.seq_id):
+                self.runner.cache_prefix(inp.seq_id, self._seqs[inp.seq_id].token_ids)
             if inp.return_features:
                 by_id[inp.seq_id].features = feats
             if not inp.sample_next_token or rows is None:
@@ -398,6 +408,8 @@ class TargetEngine:
             out.num_accepted_drafts = min(out.num_accepted_drafts, len(kept))
         seq.token_ids.extend(kept)
         out.token_ids = kept
+        if self._prefix_cache:  # blocks the new tokens filled become reusable (multi-turn chat, n > 1, retries)
+            self.runner.cache_prefix(out.seq_id, seq.token_ids)
         if out.finish != Finish.NONE:
             # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
             self.release([out.seq_id])

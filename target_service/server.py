@@ -96,6 +96,10 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
+        bm = runner.block_manager
+        if bm.prefix_cache:
+            metrics.bind_prefix_cache(lambda: (bm.num_cache_queries, bm.num_cache_hits,
+                                               bm.num_cached_blocks() * bm.block_size))
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,

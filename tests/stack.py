@@ -6,6 +6,7 @@ proposer, scheduler, clients — is exercised without the cost of process start-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,10 +43,11 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       num_steps: int = 0, topk: int = 1, num_draft_tokens: int = 1, eos_token_ids=(),
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
-                      dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True):
+                      dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
+                      prefix_cache: bool = True):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
-    ModelWorker mode."""
+    ModelWorker mode; prefix_cache: the target's (on by default, as `tandem target` runs it)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -53,7 +55,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     from target_service.server import serve_target
 
     engine_config = EngineConfig(device=device, dtype=dtype, max_total_tokens=max_total_tokens)
-    target_runner = ModelRunner(str(target_path), engine_config)
+    target_runner = ModelRunner(str(target_path), dataclasses.replace(engine_config, enable_prefix_cache=prefix_cache))
     proposer = None
     capture = {}
     if algorithm in ("EAGLE", "EAGLE3"):

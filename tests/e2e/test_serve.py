@@ -145,6 +145,17 @@ def test_chat_completion_and_stream_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
 
 
+def test_a_repeated_long_prompt_reports_cached_prompt_tokens(client):
+    """The target's prefix cache (on by default): the second request with the same long prompt reuses its full KV
+    blocks, says so in usage.prompt_tokens_details.cached_tokens, and answers the same."""
+    prompt = "def parse_header(line: str) -> dict:\n    \"\"\"Split a header line into fields.\"\"\"\n" * 4
+    first = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=16, temperature=0)
+    again = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=16, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and again.usage.prompt_tokens - 16 < cached < again.usage.prompt_tokens
+
+
 def test_stop_string_ends_the_completion(client):
     full = client.completions.create(model=DEFAULT_MODEL.name, prompt="import os\nimport ", max_tokens=30,
                                      temperature=0, extra_body={"ignore_eos": True}).choices[0].text

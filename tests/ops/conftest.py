@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import ipaddress
 import shutil
@@ -138,7 +139,8 @@ async def ops_stack(model: Path, *, draft: Path | None = None, scheduler_config=
         target_metrics = ServiceMetrics("target")
         http_t = start_metrics_server(target_metrics.registry, "127.0.0.1", 0)
         closers.append(http_t.shutdown)
-        server, port = await serve_target(TargetEngine(ModelRunner(str(model), engine_config)), str(model),
+        target_config = dataclasses.replace(engine_config, enable_prefix_cache=True)  # as `tandem target` runs
+        server, port = await serve_target(TargetEngine(ModelRunner(str(model), target_config)), str(model),
                                           "127.0.0.1", 0, metrics=target_metrics)
         closers.append(lambda: server.stop(grace=None))
         target = TargetClient(f"127.0.0.1:{port}")

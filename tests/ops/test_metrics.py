@@ -75,11 +75,18 @@ async def test_gateway_and_service_metrics_agree_with_the_requests(tiny_model, t
         assert gateway['tandem:num_pods_up{kind="target"}'] == 1
         assert gateway['tandem:pod_up{address="%s",kind="draft"}' % stack.scheduler.drafts.clients[0].address] == 1
 
+        shared = list(range(3, 40))  # two full KV blocks of it are reused by the second request
+        for i in range(2):
+            await _generate(stack.scheduler, f"p{i}", shared, 4)
         target = await scrape(stack.target_metrics_url)
         assert target['tandem:rpc_requests_total{code="OK",rpc="Verify",service="target"}'] > 0
         assert target['tandem:rpc_requests_total{code="OK",rpc="Prefill",service="target"}'] >= 1
         assert target['tandem:forward_time_seconds_count{rpc="Verify",service="target"}'] > 0
         assert target['tandem:kv_cache_total_tokens{service="target"}'] > 0
+        # lookups leave the prompt's last token out: 4 * 3 + 2 ("gone") + 2 * 36 tokens, 32 found (2 blocks, 2nd ask)
+        assert target['tandem:prefix_cache_queries_total{service="target"}'] == 4 * 3 + 2 + 2 * 36
+        assert target['tandem:prefix_cache_hits_total{service="target"}'] == 32
+        assert target['tandem:prefix_cache_tokens{service="target"}'] >= 32
         draft = await scrape(stack.draft_metrics_url)
         assert draft['tandem:rpc_requests_total{code="OK",rpc="Propose",service="draft"}'] > 0
 

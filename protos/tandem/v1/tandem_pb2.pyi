@@ -149,7 +149,7 @@ class TargetPrefillRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[TargetPrefillSeq, _Mapping]]] = ...) -> None: ...
 
 class TargetPrefillResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "hidden", "error", "logprobs")
+    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "hidden", "error", "logprobs", "num_cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class TargetPrefillResult(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -164,7 +165,8 @@ class TargetPrefillResult(_message.Message):
     hidden: Tensor
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -391,7 +393,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., skip_detokenize: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateUsage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "verify_steps", "accepted_draft_tokens", "proposed_draft_tokens", "mean_accept_length", "predraft_hits", "predraft_misses")
+    __slots__ = ("prompt_tokens", "completion_tokens", "verify_steps", "accepted_draft_tokens", "proposed_draft_tokens", "mean_accept_length", "predraft_hits", "predraft_misses", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +402,7 @@ class GenerateUsage(_message.Message):
     MEAN_ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_HITS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     verify_steps: int
@@ -408,7 +411,8 @@ class GenerateUsage(_message.Message):
     mean_accept_length: float
     predraft_hits: int
     predraft_misses: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., proposed_draft_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verify_steps: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., proposed_draft_tokens: _Optional[int] = ..., mean_accept_length: _Optional[float] = ..., predraft_hits: _Optional[int] = ..., predraft_misses: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "matched_stop", "logprobs")
