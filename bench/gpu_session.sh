@@ -2,7 +2,8 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: tests decode spec_inproc spec_services serve_decode eval accept flashinfer rpc (default: all, in order).
+# Stages: tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# (default: all, in order).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -14,7 +15,7 @@ fi
 OUT=${OUT:-/tmp/out}; R=/tmp/gpu_session; mkdir -p "$R" "$OUT"; T0=$(date +%s)
 stage() { echo "=== $1 at $(( $(date +%s) - T0 ))s"; }
 fin() { tar czf "$OUT/results.tgz" -C "$R" . ; }
-STAGES="${*:-tests decode spec_inproc spec_services serve_decode eval accept flashinfer rpc}"
+STAGES="${*:-tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix}"
 M=models/tandem-demo-code
 for s in $STAGES; do
   stage "$s"
@@ -23,6 +24,9 @@ for s in $STAGES; do
       timeout -s INT 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_flashinfer_backend_gpu.py > "$R/gpu_tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$R/gpu_tests.log" | tail -15 ;;
+    profile_draft)  # where a draft Propose's time goes: ops, kernels, GPU vs host ms, draft graphs on and off
+      timeout 150 python3 bench/profile_draft.py --device cuda --out-dir "$R/profile_draft" > "$R/profile_draft.log" 2>&1
+      cat "$R/profile_draft/profile_draft.md" 2>/dev/null || tail -20 "$R/profile_draft.log" ;;
     decode)  # 8B in-process: graphs/eager vs HF vs ceiling, verify-16 ratio (eager should be back near 22 ms)
       timeout 150 python3 bench/decode.py --steps 32 --out-dir "$R/decode" > "$R/decode.log" 2>&1
       cat "$R/decode/results.md" ;;
@@ -65,6 +69,10 @@ for s in $STAGES; do
       timeout 60 python3 bench/rpc_overhead.py --device cuda:0 --iters 1000 --out "$R/rpc_overhead.json" \
         > "$R/rpc.log" 2>&1
       tail -8 "$R/rpc.log" ;;
+    prefix)  # TTFT with and without the target's prefix cache (bundled model: 2048 context, 1800-token prefix)
+      timeout 120 python3 bench/prefix_cache.py --device cuda --prefix-len 1800 --out-dir "$R/prefix" \
+        > "$R/prefix.log" 2>&1
+      cat "$R/prefix/prefix_cache.md" 2>/dev/null || tail -5 "$R/prefix.log" ;;
     *) echo "unknown stage $s" ;;
   esac
   fin
