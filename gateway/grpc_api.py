@@ -118,6 +118,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             top_p=request.top_p if 0.0 < request.top_p < 1.0 else 1.0,
             top_k=request.top_k if request.top_k > 0 else -1,
             seed=request.seed if request.HasField("seed") else None,
+            presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty or 1.0,
         )
         return GenerateParams(request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
                               prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -236,6 +236,8 @@ class _OpenAIServer:
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,
             seed=None if req.seed is None else req.seed % (1 << 64),  # the pods take a uint64 seed
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
         return GenerateParams(request_id=id_prefix + uuid.uuid4().hex, prompt_token_ids=prompt_ids,
                               max_new_tokens=max_tokens, sampling=sampling, stop=[s for s in stop if s],

@@ -40,9 +40,10 @@ class _SamplingRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=128)
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
-    # Accepted for compatibility, rejected below unless they keep their neutral value.
-    presence_penalty: float | None = None
+    presence_penalty: float | None = None  # [-2, 2], exact under speculation (the target applies it in verify)
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM/HF), > 0, 1 = off
+    # Accepted for compatibility, rejected below unless it keeps its neutral value.
     logit_bias: dict[str, Any] | None = None
 
 
@@ -69,8 +70,6 @@ class CompletionRequest(_SamplingRequest):
 def unsupported_fields(req: _SamplingRequest) -> list[str]:
     """Names of fields set to a value this server cannot honour."""
     checks = {
-        "presence_penalty": bool(req.presence_penalty),
-        "frequency_penalty": bool(req.frequency_penalty),
         "logit_bias": bool(req.logit_bias),
         "tools": bool(getattr(req, "tools", None)),
         "tool_choice": getattr(req, "tool_choice", None) not in (None, "none", "auto"),

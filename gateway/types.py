@@ -75,6 +75,9 @@ class RequestSampling:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens, [-2, 2]
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF/vLLM, over prompt and generated tokens, > 0
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -83,6 +86,12 @@ class RequestSampling:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k == 0 or self.top_k < -1:
             raise InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty}",
+                                 "repetition_penalty")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Sampling parameters, logit processing and seeded sampling shared by plain decode and speculative verify.
 
-Owns the one definition of "the target distribution": temperature, then top-k, then top-p renormalisation. Plain
-decode and tree verification both call `process_logits`, so a verify step can never drift from normal decoding.
+Owns the one definition of "the target distribution": penalties (repetition, then frequency and presence, as vLLM
+applies them), then temperature, then top-k, then top-p renormalisation. Plain decode and tree verification both call
+`penalize_logits` and `process_logits`, so a verify step can never drift from normal decoding.
 Knows nothing about trees, KV caches or the wire; every function follows the device of its input tensors.
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's presence/frequency penalties (over generated tokens) and HF/vLLM's repetition penalty (over prompt and
+    # generated tokens): 0, 0 and 1 leave the logits alone.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         temp = self.temperature
@@ -43,6 +49,17 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:
@@ -57,6 +74,39 @@ class SamplingParams:
         else:
             gen.manual_seed(self.seed)
         return gen
+
+
+def penalize_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int], row_tokens: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Penalised logits (R, V) float32 of one sequence. Row r continues prompt_ids + output_ids + row_tokens[r] (a
+    verify row follows the draft tokens on its tree path, which count as generated). vLLM's order and semantics: the
+    repetition penalty divides positive / multiplies negative logits of every token seen in the prompt or output
+    (HF's RepetitionPenaltyLogitsProcessor); then logit -= frequency * count - presence * [count > 0] over generated
+    tokens (OpenAI). No host sync beyond building the index tensors."""
+    out = logits.float()  # (R, V)
+    if not params.has_penalties:
+        return out
+    num_rows, vocab = out.shape
+    device = out.device
+    counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
+    counts = counts.to(device=device, dtype=torch.float32).expand(num_rows, vocab).clone()  # (R, V)
+    if row_tokens:
+        rows = [r for r, toks in enumerate(row_tokens) for _ in toks]
+        if rows:
+            toks = [t for toks in row_tokens for t in toks]
+            counts.index_put_((torch.tensor(rows, device=device), torch.tensor(toks, device=device)),
+                              torch.ones(len(rows), device=device), accumulate=True)
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        seen = seen.to(device).unsqueeze(0) | (counts > 0)  # (R, V)
+        rp = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if params.frequency_penalty:
+        out = out - params.frequency_penalty * counts
+    if params.presence_penalty:
+        out = out - params.presence_penalty * (counts > 0).float()
+    return out
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:

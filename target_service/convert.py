@@ -13,7 +13,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     top_k = msg.top_k if msg.top_k > 0 else -1
     top_p = msg.top_p if 0.0 < msg.top_p <= 1.0 else 1.0
     seed = msg.seed if msg.HasField("seed") else None
-    return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                          repetition_penalty=msg.repetition_penalty or 1.0)
 
 
 def stop_from_pb(msg: pb.StopParams) -> StopRule:

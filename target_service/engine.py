@@ -18,7 +18,7 @@ import torch
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams, process_logits
+from runtime.sampling import SamplingParams, penalize_logits, process_logits
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
 
@@ -220,7 +220,7 @@ class TargetEngine:
 
         group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
                  and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
-                 and inp.seq_id in self._seqs]
+                 and not inp.sampling.has_penalties and inp.seq_id in self._seqs]
         if not group or not can_pipeline(self.runner, [inp.seq_id for inp, _ in group]):
             return 0.0
         steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
@@ -336,8 +336,9 @@ class TargetEngine:
 
     @staticmethod
     def _fast_greedy(inputs) -> bool:
-        """Argmax-only readback: every sequence greedy and none asking for logprobs (those need the logits)."""
-        return all(inp.sampling.is_greedy and inp.logprobs < 0 for inp in inputs)
+        """Argmax-only readback: every sequence greedy and none asking for logprobs or penalties (those need the
+        logits)."""
+        return all(inp.sampling.is_greedy and inp.logprobs < 0 and not inp.sampling.has_penalties for inp in inputs)
 
     def _forward(self, forwards: list[SeqForward], outputs: list[StepOutput], features: bool = False,
                  greedy: bool = False, chunked: bool = False):
@@ -374,6 +375,7 @@ class TargetEngine:
         argmax tokens already taken on device)."""
         if isinstance(rows, list):
             return rows
+        rows = self._penalized(rows, seq)
         if seq.sampling.is_greedy:
             return rows.argmax(dim=-1).tolist()
         probs = process_logits(rows.float(), seq.sampling)  # (rows, vocab)
@@ -387,6 +389,7 @@ class TargetEngine:
             return VerifyOutcome([node - 1 for node in path[1:]], tokens, len(path) - 1)
         if isinstance(rows, list):  # greedy batch: the walk over the argmax the device already took (no sync)
             return verify_greedy(tree, rows)
+        rows = self._penalized(rows, seq, tree)
         if seq.sampling.is_greedy:
             return verify_greedy(tree, rows.argmax(dim=-1))
         return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)
@@ -413,6 +416,21 @@ class TargetEngine:
         if out.finish != Finish.NONE:
             # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
             self.release([out.seq_id])
+
+    @staticmethod
+    def _penalized(rows: torch.Tensor, seq: _Seq, tree: DraftTree | None = None) -> torch.Tensor:
+        """Logits rows (R, V) with the sequence's penalties applied, as plain decoding would see them: row 0 follows
+        the committed tokens, row i + 1 also the tree path ending at draft node i (its drafts count as generated)."""
+        if not seq.sampling.has_penalties:
+            return rows
+        row_tokens = None
+        if tree is not None and tree.token_ids:
+            paths: list[list[int]] = []
+            for token, parent in zip(tree.token_ids, tree.parents):
+                paths.append([*(paths[parent] if parent >= 0 else ()), token])
+            row_tokens = [[], *paths]
+        n = seq.stop.prompt_len
+        return penalize_logits(rows, seq.sampling, seq.token_ids[:n], seq.token_ids[n:], row_tokens)
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
         if sampling.is_greedy:

@@ -7,6 +7,7 @@ accept branches run) plus an unlikely one and a duplicate sibling (so the residu
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from scipy.stats import chisquare
 
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
-from runtime.sampling import SamplingParams, process_logits
+from runtime.sampling import SamplingParams, penalize_logits, process_logits
 from runtime.speculative.tree import DraftTree
 from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
 from tests.tiny_models import load_hf_model, make_tiny_model
@@ -76,3 +77,43 @@ def test_sampled_verify_follows_the_target_distribution(model, sampling):
     assert chisquare(observed, expected).pvalue > 1e-3
     engine.release([f"s{i}" for i in range(NUM_TRIALS)])
     assert runner.num_free_tokens() == runner.num_total_tokens()
+
+
+def test_sampled_verify_with_penalties_follows_the_penalised_target_distribution(model):
+    """Penalties in a sampled tree verify: each row is penalised for the committed tokens plus its own tree path, so
+    the second token (after drafted `a`) sees `a` counted once more than the first."""
+    path, hf = model
+    runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=NUM_TRIALS * 48))
+    engine = TargetEngine(runner)
+    sampling = SamplingParams(temperature=0.9, top_k=10, presence_penalty=0.7, frequency_penalty=0.6,
+                              repetition_penalty=1.4)
+    prompt, root = [3, 17, 42, 9, 100], 241  # picked so the penalties move both positions' distributions a lot
+
+    def reference(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1:].float()
+        penalised = penalize_logits(logits, sampling, ids[:len(prompt)], ids[len(prompt):])
+        return process_logits(penalised, sampling)[0]
+
+    first = reference([*prompt, root])
+    top = torch.argsort(first, descending=True).tolist()
+    a, b = top[0], top[1]
+    second = reference([*prompt, root, a])
+    with torch.no_grad():
+        logits = hf(torch.tensor([[*prompt, root, a]])).logits[0, -1:].float()
+    path_blind = process_logits(penalize_logits(logits, sampling, prompt, [root]), sampling)[0]
+    assert (second - path_blind).abs().max() > 0.1  # a verify that ignored the drafted `a` would be caught
+    a2 = int(torch.argmax(second))
+    tree = DraftTree([a, b, a, top[-1], a2], [-1, -1, -1, -1, 0])
+    stop = StopRule(max_new_tokens=100, prompt_len=len(prompt))
+    seeded = [dataclasses.replace(sampling, seed=i) for i in range(NUM_TRIALS)]
+    engine.prefill([PrefillInput(f"s{i}", [*prompt, root], False, seeded[i], stop) for i in range(NUM_TRIALS)])
+    outputs = engine.verify([VerifyInput(f"s{i}", len(prompt) + 1, root, tree, seeded[i], stop)
+                             for i in range(NUM_TRIALS)])
+    assert all(o.status == 0 for o in outputs)
+    observed, expected = expected_counts(first, collections.Counter(o.token_ids[0] for o in outputs), NUM_TRIALS)
+    assert chisquare(observed, expected).pvalue > 1e-3
+    seconds = collections.Counter(o.token_ids[1] for o in outputs if o.token_ids[0] == a)
+    assert sum(seconds.values()) > 200
+    observed, expected = expected_counts(second, seconds, sum(seconds.values()))
+    assert chisquare(observed, expected).pvalue > 1e-3

@@ -82,17 +82,19 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in models.data] == [DEFAULT_MODEL.name]
 
 
-def test_completion_greedy_equals_hf_generate(client):
+@pytest.mark.parametrize("repetition_penalty", [None, 1.3], ids=["plain", "repetition-penalty"])
+def test_completion_greedy_equals_hf_generate(client, repetition_penalty):
     tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
     prompt = "def fibonacci(n):\n    "
     ids = tokenizer(prompt, return_tensors="pt").input_ids
+    penalty = {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}
     with torch.no_grad():
         out = hf.generate(ids, do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0,
-                          attention_mask=torch.ones_like(ids))
+                          attention_mask=torch.ones_like(ids), **penalty)
     expected_ids = out[0, ids.shape[1]:].tolist()
     resp = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=40, temperature=0,
-                                     extra_body={"ignore_eos": True})
+                                     extra_body={"ignore_eos": True, **penalty})
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 40
     assert resp.choices[0].text == tokenizer.decode(expected_ids, skip_special_tokens=True)

@@ -90,6 +90,8 @@ async def test_generate_returns_logprobs_per_token_when_asked(stub, backend, tok
     dict(text="hi", max_new_tokens=10_000),
     dict(text="hi", stop=["x"], skip_detokenize=True),
     dict(text="hi", return_logprobs=True, top_logprobs=21),
+    dict(text="hi", presence_penalty=2.5),
+    dict(text="hi", repetition_penalty=-1.0),
 ])
 async def test_bad_input_is_invalid_argument(stub, backend, request_kwargs):
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -171,3 +173,12 @@ async def test_error_interceptor_maps_unary_exceptions_for_any_servicer(backend,
         assert (err.value.code(), err.value.details()) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
     finally:
         await server.stop(grace=None)
+
+
+async def test_generate_passes_penalties_to_the_backend(stub, backend):
+    [r async for r in stub.Generate(pb.GenerateRequest(text="hi", max_new_tokens=2, presence_penalty=0.5,
+                                                       frequency_penalty=0.25, repetition_penalty=1.1))]
+    [r async for r in stub.Generate(pb.GenerateRequest(text="hi", max_new_tokens=2))]
+    set_, unset = backend.requests[-2].sampling, backend.requests[-1].sampling
+    assert (set_.presence_penalty, set_.frequency_penalty, round(set_.repetition_penalty, 5)) == (0.5, 0.25, 1.1)
+    assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)

@@ -93,6 +93,17 @@ def test_completion_runs_to_max_tokens(client, backend, tokenizer):
     assert (sampling.top_k, sampling.seed) == (5, (1 << 64) - 1)
 
 
+def test_penalties_reach_the_backend(client, backend):
+    client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=4, presence_penalty=0.5,
+                              frequency_penalty=-0.25, extra_body={"repetition_penalty": 1.2})
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                   presence_penalty=1.5)
+    completion, chat = backend.requests[-2].sampling, backend.requests[-1].sampling
+    assert (completion.presence_penalty, completion.frequency_penalty, completion.repetition_penalty) == \
+        (0.5, -0.25, 1.2)
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (1.5, 0.0, 1.0)
+
+
 def test_completion_defaults_to_16_tokens(client, backend):
     resp = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox jumps")
     assert backend.requests[-1].max_new_tokens == 16 and resp.usage.completion_tokens == 16
@@ -175,6 +186,9 @@ def test_raw_completion_stream_ends_with_done(server, backend, tokenizer, includ
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "frequency_penalty": -9}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x"} | {"model": MODEL_NAME, "stream": "yes please"}, 400, "stream"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
