@@ -18,7 +18,9 @@ import torch
 from runtime.attention import get_backend
 from runtime.config import EngineConfig, ModelConfig
 from runtime.distributed import StepMirror, TPGroup, TPShard
-from runtime.forward_batch import ForwardBatch, ForwardMode, SeqAttention
+from runtime.batch_builder import (LOGITS_MODES, SeqForward, SeqState, UnknownSeq, build_forward_batch,
+                                   reserve_kv, seq_state, to_device_long, validate_batch)
+from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
 from runtime.memory import GiB, DeviceMemoryProbe, MemoryPlan, OutOfDeviceMemory, kv_bytes_per_block, plan_kv_blocks
@@ -28,25 +30,9 @@ if TYPE_CHECKING:
     from runtime.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
-LOGITS_MODES = ("last", "all", "none")
 OUTPUTS = ("logits", "argmax", "both")
 # Tokens of the warm-up prefill whose activation peak memory profiling keeps free (longer prompts may not fit).
 _WARMUP_PREFILL_TOKENS = 4096
-
-
-@dataclass
-class SeqForward:
-    seq_id: str
-    token_ids: list[int]  # new tokens, written to KV at indices [kv_len, kv_len + T)
-    positions: list[int] | None = None  # RoPE positions; None = kv_len.. (chain) or region_start + depth (tree)
-    # None = causal chain append. Otherwise a speculative TREE append: parents[j] = region index of token j's parent,
-    # -1 = attaches to the prefix.
-    parents: list[int] | None = None
-    logits: str = "last"  # "last" | "all" | "none": which of the T tokens get logits
-    capture_hidden: bool = False  # also return the final-norm hidden state of the logits rows
-    # (T, F) per-token input features for feature-based draft models (EAGLE); None for plain LMs. All SeqForwards of
-    # one forward either carry them or not.
-    input_features: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,24 +48,6 @@ class ForwardOutput:
     # for a tree append opening a fresh region with logits "all", (accepted region nodes, root 0 first; emitted
     # tokens: the accepted nodes' tokens then the bonus), read back with the argmax; None for any other sequence
     greedy_tree: list[tuple[list[int], list[int]] | None] | None = None
-
-
-class UnknownSeq(KeyError):
-    """The runner holds no sequence with this id."""
-
-
-@dataclass
-class _SeqState:
-    kv_len: int = 0
-    region_start: int | None = None  # KV index of tree-region node 0 while a region is open
-    # Per region node: bitmask of region nodes it attends to (its ancestors and itself). Python ints: unbounded width.
-    region_visible: list[int] = field(default_factory=list)
-    region_parents: list[int] = field(default_factory=list)
-
-    def close_region(self) -> None:
-        self.region_start = None
-        self.region_visible = []
-        self.region_parents = []
 
 
 class ModelRunner:
@@ -115,7 +83,7 @@ class ModelRunner:
             self.num_local_heads, self.num_local_kv_heads, model_config.head_dim, model_config.head_dim**-0.5
         )
         self._mirror: StepMirror | None = None  # set last: warm-up forwards run on every rank by itself
-        self._seqs: dict[str, _SeqState] = {}
+        self._seqs: dict[str, SeqState] = {}
         self.graph_runner: CudaGraphRunner | None = None
         self.use_cuda_graph = False  # replay captured graphs for fitting batches (benchmarks may switch it off)
         # Measured by profiling when engine_config.mem_fraction_static sizes the KV pool; None otherwise.
@@ -206,7 +174,7 @@ class ModelRunner:
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id!r} already exists")
         cached = self.block_manager.allocate_seq(seq_id, 0, prefix_tokens)
-        self._seqs[seq_id] = _SeqState(kv_len=cached)
+        self._seqs[seq_id] = SeqState(kv_len=cached)
         if self._mirror is not None:  # TP runs without the prefix cache: cached is 0 on every rank
             self._mirror.record("add_seq", seq_id)
         return cached
@@ -401,139 +369,24 @@ class ModelRunner:
         src_t, dst_t = self._long(src + dst).split(len(src))
         self.kv_pool.copy_slots(src_t, dst_t)
 
-    def _state(self, seq_id: str) -> _SeqState:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise UnknownSeq(seq_id) from None
+    def _state(self, seq_id: str) -> SeqState:
+        return seq_state(self._seqs, seq_id)
 
     def _long(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # a pageable host->device copy would wait for the GPU
-        return host.to(self.device, non_blocking=True)
+        return to_device_long(values, self.device)
 
+    # Input building (runtime/batch_builder.py) over this runner's sequence states; pipelined_decode uses these too.
     def _validate(self, batch: list[SeqForward]) -> None:
-        if not batch:
-            raise ValueError("forward needs at least one SeqForward")
-        seen: set[str] = set()
-        vocab = self.model_config.vocab_size
-        with_features = batch[0].input_features is not None
-        for sf in batch:
-            if sf.seq_id in seen:
-                raise ValueError(f"seq {sf.seq_id!r} appears twice in one forward")
-            seen.add(sf.seq_id)
-            state = self._state(sf.seq_id)
-            num_tokens = len(sf.token_ids)
-            if num_tokens == 0:
-                raise ValueError(f"seq {sf.seq_id!r}: token_ids is empty")
-            if any(not 0 <= t < vocab for t in sf.token_ids):
-                raise ValueError(f"seq {sf.seq_id!r}: token id outside [0, {vocab})")
-            if sf.logits not in LOGITS_MODES:
-                raise ValueError(f"seq {sf.seq_id!r}: logits must be one of {LOGITS_MODES}, got {sf.logits!r}")
-            if (sf.input_features is not None) != with_features:
-                raise ValueError("input_features must be given for all sequences of a forward or for none")
-            if with_features and (sf.input_features.dim() != 2 or sf.input_features.shape[0] != num_tokens):
-                raise ValueError(
-                    f"seq {sf.seq_id!r}: input_features must be (T={num_tokens}, F), "
-                    f"got {tuple(sf.input_features.shape)}"
-                )
-            if sf.positions is not None and len(sf.positions) != num_tokens:
-                raise ValueError(f"seq {sf.seq_id!r}: {len(sf.positions)} positions for {num_tokens} tokens")
-            if sf.parents is None:
-                if state.region_start is not None:
-                    raise ValueError(
-                        f"seq {sf.seq_id!r}: chain append while a tree region is open; truncate or compact first"
-                    )
-                continue
-            if len(sf.parents) != num_tokens:
-                raise ValueError(f"seq {sf.seq_id!r}: {len(sf.parents)} parents for {num_tokens} tokens")
-            region_len = 0 if state.region_start is None else state.kv_len - state.region_start
-            for j, p in enumerate(sf.parents):
-                # Parents come before children, so the mask of every node is known when it is appended.
-                if not -1 <= p < region_len + j:
-                    raise ValueError(f"seq {sf.seq_id!r}: parents[{j}]={p} must be in [-1, {region_len + j})")
+        validate_batch(batch, self._seqs, self.model_config.vocab_size)
 
     def _reserve_kv(self, batch: list[SeqForward]) -> None:
-        bm = self.block_manager
-        needed = sum(bm.num_blocks_needed(sf.seq_id, self._seqs[sf.seq_id].kv_len + len(sf.token_ids)) for sf in batch)
-        if needed > bm.num_free_blocks():
-            raise OutOfKVBlocks(needed, bm.num_free_blocks())
-        for sf in batch:
-            bm.ensure_capacity(sf.seq_id, self._seqs[sf.seq_id].kv_len + len(sf.token_ids))
+        reserve_kv(batch, self._seqs, self.block_manager)
 
     def _build_forward_batch(
         self, batch: list[SeqForward], mode: ForwardMode | None, allow_graph: bool = False
     ) -> tuple[ForwardBatch, dict[str, tuple[int, list[int], list[int]]], tuple[int, int] | None]:
-        """(batch, new tree regions, CUDA graph key or None). Token arrays go to the device in one pinned copy,
-        into the graph's static buffers when a captured graph will run this batch."""
-        bm = self.block_manager
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        logits_indices: list[int] = []
-        tree_parents_tok: list[int] = []  # per token: parent region node when the append opens a region, else -1
-        num_logit_rows: list[int] = []
-        seqs: list[SeqAttention] = []
-        new_regions: dict[str, tuple[int, list[int], list[int]]] = {}
-        for sf in batch:
-            state = self._seqs[sf.seq_id]
-            num_tokens = len(sf.token_ids)
-            start = len(input_ids)
-            kv_len = state.kv_len + num_tokens
-            tree_rows = None
-            tree_parents = None
-            if sf.parents is None:
-                prefix_len = state.kv_len
-                pos = sf.positions or list(range(state.kv_len, kv_len))
-            else:
-                region_start = state.kv_len if state.region_start is None else state.region_start
-                region_len = state.kv_len - region_start
-                visible = list(state.region_visible)
-                for j, p in enumerate(sf.parents):
-                    visible.append((1 << (region_len + j)) | (visible[p] if p >= 0 else 0))
-                tree_parents = state.region_parents + list(sf.parents)
-                new_regions[sf.seq_id] = (region_start, visible, tree_parents)
-                prefix_len = region_start
-                tree_rows = visible[region_len:]  # per query: bitmask over the tail [region_start, kv_len)
-                # Default position: prefix length + depth, where depth = number of visible region nodes - 1.
-                pos = sf.positions or [region_start + v.bit_count() - 1 for v in tree_rows]
-            fresh_tree = sf.parents is not None and state.region_start is None
-            tree_parents_tok.extend(sf.parents if fresh_tree else [-1] * num_tokens)
-            input_ids.extend(sf.token_ids)
-            positions.extend(pos)
-            slot_mapping.extend(bm.slots(sf.seq_id, state.kv_len, kv_len))
-            n_rows = {"last": 1, "all": num_tokens, "none": 0}[sf.logits]
-            logits_indices.extend(range(start + num_tokens - n_rows, start + num_tokens))
-            num_logit_rows.append(n_rows)
-            seqs.append(SeqAttention(
-                query_start=start, query_len=num_tokens, kv_len=kv_len, prefix_len=prefix_len,
-                block_table=bm.block_table(sf.seq_id), block_size=bm.block_size, device=self.device,
-                tree_rows=tree_rows, tree_parents=tree_parents,
-            ))
-        if mode is None:
-            if any(sf.parents is not None for sf in batch):
-                mode = ForwardMode.VERIFY
-            elif all(len(sf.token_ids) == 1 for sf in batch):
-                mode = ForwardMode.DECODE
-            else:
-                mode = ForwardMode.PREFILL
-        graph_key = None
-        if allow_graph and self.use_cuda_graph and self.graph_runner is not None:
-            graph_key = self.graph_runner.key_for(seqs)
-        n = len(input_ids)
-        if graph_key is not None:
-            ids, pos_t, slots, rows = self.graph_runner.load_inputs(
-                graph_key, input_ids, positions, slot_mapping, logits_indices, tree_parents_tok)
-        else:
-            packed = self._long(input_ids + positions + slot_mapping + logits_indices)
-            ids, pos_t, slots, rows = packed.split([n, n, n, len(logits_indices)])
-        fb = ForwardBatch(
-            mode=mode, input_ids=ids, positions=pos_t, slot_mapping=slots, seqs=seqs, logits_indices=rows,
-            num_logit_rows=num_logit_rows,
-        )
-        return fb, new_regions, graph_key
-
+        graphs = self.graph_runner if allow_graph and self.use_cuda_graph else None
+        return build_forward_batch(batch, self._seqs, self.block_manager, self.device, mode, graphs)
 
     def stop_workers(self) -> None:
         """Rank 0 of a TP group: let the other ranks' `run_worker` loops return (at shutdown)."""
