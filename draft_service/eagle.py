@@ -19,7 +19,7 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree
+from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
 ALGORITHMS = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3"}
 
@@ -170,11 +170,10 @@ class EagleProposer(Proposer):
             ranks = nodes.parents - (s - 1) * k if s > 0 else torch.zeros_like(nodes.parents)  # (b, k)
             feats = parent_hidden.gather(1, ranks.to(parent_hidden.device).unsqueeze(-1).expand(
                 -1, -1, parent_hidden.shape[-1]))  # (b, k, H)
-            tokens = self._to_target(nodes.tokens)
+            tokens, parents = host_rows(self._to_target(nodes.tokens), nodes.parents)  # one readback per step
             forwards = [
-                SeqForward(inp.seq_id, tokens[i].tolist(), positions=[inp.committed_len - 1 + s] * k,
-                           parents=nodes.parents[i].tolist(), logits="all", capture_hidden=True,
-                           input_features=feats[i])
+                SeqForward(inp.seq_id, tokens[i], positions=[inp.committed_len - 1 + s] * k,
+                           parents=parents[i], logits="all", capture_hidden=True, input_features=feats[i])
                 for i, inp in enumerate(group)
             ]
             out = self.runner.forward(forwards)
@@ -182,12 +181,18 @@ class EagleProposer(Proposer):
             parent_hidden = torch.stack(out.hidden)  # (b, k, H), beam-rank order
             nodes = builder.next(logprobs)
         trees = builder.finalize()
-        return [DraftTree(self._to_target(torch.tensor(t.token_ids, dtype=torch.int64)).tolist(), t.parents)
-                for t in trees]
+        ids = torch.tensor([t for tree in trees for t in tree.token_ids], dtype=torch.int64)
+        flat = self._to_target(ids).tolist()
+        out, start = [], 0
+        for tree in trees:  # one mapping + readback for the whole batch
+            out.append(DraftTree(flat[start:start + len(tree)], tree.parents))
+            start += len(tree)
+        return out
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft vocabulary ids -> target ids (FR-Spec hot ids / EAGLE-3 d2t offsets applied); identity without."""
+        """Draft vocabulary ids -> target ids (FR-Spec hot ids / EAGLE-3 d2t offsets applied), on the ids' device;
+        identity without a mapping."""
         mapping = self.model.draft_to_target
         if mapping is None:
-            return draft_ids.cpu()
-        return mapping[draft_ids.to(mapping.device)].cpu()
+            return draft_ids
+        return mapping[draft_ids.to(mapping.device)]

@@ -13,7 +13,7 @@ import torch
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
 from runtime.chunked import forward_chunked
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree
+from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
 
 class StandaloneProposer(Proposer):
@@ -60,7 +60,11 @@ class StandaloneProposer(Proposer):
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """Argmax of the draft after the guessed tail: its guess of the target's bonus token."""
         active = [inp for inp in inputs if self._fits(inp, extra=1)]
-        return {seq_id: int(logits.argmax()) for seq_id, logits in self._catch_up(active).items()}
+        rows = self._catch_up(active)
+        if not rows:
+            return {}
+        guesses = torch.stack(list(rows.values())).argmax(dim=-1).tolist()  # one readback for the batch
+        return dict(zip(rows, guesses))
 
     def _fits(self, inp: ProposeInput, extra: int = 0) -> bool:
         spec = inp.spec
@@ -93,13 +97,14 @@ class StandaloneProposer(Proposer):
         nodes = builder.first(torch.log_softmax(first.float(), dim=-1))
         for step in range(1, spec.num_steps):
             # Beam nodes of step s sit at depth s+1 after the root, i.e. position committed_len + s.
+            tokens, parents = host_rows(nodes.tokens, nodes.parents)  # one readback per step, not one per seq
             forwards = [
-                SeqForward(inp.seq_id, nodes.tokens[b].tolist(),
-                           positions=[inp.committed_len + step - 1] * spec.topk,
-                           parents=nodes.parents[b].tolist(), logits="all")
+                SeqForward(inp.seq_id, tokens[b], positions=[inp.committed_len + step - 1] * spec.topk,
+                           parents=parents[b], logits="all")
                 for b, inp in enumerate(group)
             ]
             out = self.runner.forward(forwards)
             logprobs = torch.log_softmax(torch.stack(out.logits).float(), dim=-1)  # (b, topk, vocab)
             nodes = builder.next(logprobs)
         return builder.finalize()
+

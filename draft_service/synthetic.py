@@ -28,7 +28,7 @@ import torch
 
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
 from runtime.config import EngineConfig, ModelConfig
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree
+from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
 logger = logging.getLogger(__name__)
 ORACLE_FORMAT = "tandem-synthetic-oracle/1"
@@ -225,11 +225,11 @@ class SyntheticHead:
             ranks = nodes.parents - (s - 1) * k if s > 0 else torch.zeros_like(nodes.parents)
             feats = parent_hidden.gather(1, ranks.to(parent_hidden.device).unsqueeze(-1).expand(
                 -1, -1, parent_hidden.shape[-1]))
-            tokens = nodes.tokens.tolist()  # draft-vocab ids are valid target ids (the draft vocab is smaller)
+            # draft-vocab ids are valid target ids (the draft vocab is smaller); one readback per step
+            tokens, parents = host_rows(nodes.tokens, nodes.parents)
             out = self.runner.forward([
                 SeqForward(seq_id, tokens[i], positions=[len(committed) - 1 + s] * k,
-                           parents=nodes.parents[i].tolist(), logits="all", capture_hidden=True,
-                           input_features=feats[i])
+                           parents=parents[i], logits="all", capture_hidden=True, input_features=feats[i])
                 for i, (seq_id, committed, _) in enumerate(group)])
             parent_hidden = torch.stack(out.hidden)
             nodes = builder.next(torch.log_softmax(torch.stack(out.logits).float(), dim=-1))

@@ -178,8 +178,8 @@ class BeamTreeBuilder:
         if not self._levels:
             raise RuntimeError("call first() before finalize()")
         scores = torch.cat([lv.scores for lv in self._levels], dim=1).tolist()  # (b, C)
-        tokens = torch.cat([lv.tokens for lv in self._levels], dim=1).tolist()  # (b, C)
-        parents = torch.cat([lv.parents for lv in self._levels], dim=1).tolist()  # (b, C)
+        tokens, parents = host_rows(torch.cat([lv.tokens for lv in self._levels], dim=1),
+                                    torch.cat([lv.parents for lv in self._levels], dim=1))  # (b, C) each
         budget = self.num_draft_tokens - 1
         return [_select_closed(s, t, p, budget) for s, t, p in zip(scores, tokens, parents)]
 
@@ -189,6 +189,14 @@ class BeamTreeBuilder:
             raise ValueError(f"expected logprobs of shape {shape} (None = vocab), got {tuple(logprobs.shape)}")
         if logprobs.shape[-1] < self.topk:
             raise ValueError(f"vocab size {logprobs.shape[-1]} is smaller than topk={self.topk}")
+
+
+def host_rows(*tensors: torch.Tensor) -> list[list[list[int]]]:
+    """Same-shape (b, k) integer tensors -> each one's rows as host lists, read back in one device-to-host copy
+    (a draft step needs its nodes' tokens and parents on the host; one readback per step, not one per sequence)."""
+    k = tensors[0].shape[1]
+    packed = torch.cat([t.to(torch.long) for t in tensors], dim=1).tolist()  # (b, len(tensors) * k)
+    return [[row[i * k:(i + 1) * k] for row in packed] for i in range(len(tensors))]
 
 
 def max_tree_candidates(num_steps: int, topk: int) -> int:
