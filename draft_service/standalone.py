@@ -28,7 +28,8 @@ class StandaloneProposer(Proposer):
         return self.runner.num_free_tokens(), self.runner.num_total_tokens()
 
     def _on_prefill(self, seq_id: str) -> None:
-        self.runner.add_seq(seq_id)
+        # With the runner's prefix cache, the KV of a cached prompt prefix is reused (the last token is always run).
+        self.runner.add_seq(seq_id, self._tokens[seq_id][:-1])
 
     def _model_kv_len(self, seq_id: str) -> int:
         return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
@@ -90,6 +91,8 @@ class StandaloneProposer(Proposer):
         if not forwards:
             return {}
         out = forward_chunked(self.runner, forwards, self.runner.engine_config.chunked_prefill_size)
+        for f in forwards:  # full blocks of committed (or guessed) tokens become reusable; no-op without the cache
+            self.runner.cache_prefix(f.seq_id, self._tokens[f.seq_id])
         return {f.seq_id: rows[-1] for f, rows in zip(forwards, out.logits)}
 
     def _expand(self, group: list[ProposeInput], spec: SpecShape, first: torch.Tensor) -> list[DraftTree]:

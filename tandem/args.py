@@ -38,9 +38,9 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
                         "split into forwards of at most this size, which bounds activation memory; the KV-pool "
                         "profile measures a prefill of this size. -1 = no chunking")
     p.add_argument("--disable-radix-cache", action="store_true",
-                   help="turn off the target's prefix cache (on by default, as in SGLang: full KV blocks of committed "
-                        "tokens are reused by later requests with the same prefix; requests for EAGLE features always "
-                        "compute their prompt)")
+                   help="turn off the prefix cache of the target and of a STANDALONE draft (on by default, as in "
+                        "SGLang: full KV blocks of committed tokens are reused by later requests with the same prefix; "
+                        "requests for EAGLE features always compute their prompt)")
     p.add_argument("--random-seed", type=int, default=0, help="seed for dummy weights")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="CUDA: fraction of GPU memory for weights + KV pool; the KV pool is sized by profiling free "

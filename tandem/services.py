@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -137,7 +138,11 @@ def build_proposer(args: argparse.Namespace):
         from draft_service.standalone import StandaloneProposer
 
         path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        runner = _build_runner(path, _engine_config(args, args.speculative_draft_load_format, draft=True))
+        config = _engine_config(args, args.speculative_draft_load_format, draft=True)
+        # A plain LM's KV depends on the tokens alone, so the draft shares prompt prefixes too (EAGLE's depends on
+        # target features: no cache there).
+        config = dataclasses.replace(config, enable_prefix_cache=not getattr(args, "disable_radix_cache", False))
+        runner = _build_runner(path, config)
         return StandaloneProposer(runner), path
     if algorithm in ("EAGLE", "EAGLE3"):
         from draft_service.eagle import EagleProposer

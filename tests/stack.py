@@ -47,7 +47,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       prefix_cache: bool = True):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
-    ModelWorker mode; prefix_cache: the target's (on by default, as `tandem target` runs it)."""
+    ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -73,7 +73,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     if algorithm == "STANDALONE":
         from draft_service.standalone import StandaloneProposer
 
-        proposer = StandaloneProposer(ModelRunner(str(draft_path), engine_config))
+        proposer = StandaloneProposer(ModelRunner(str(draft_path), dataclasses.replace(
+            engine_config, enable_prefix_cache=prefix_cache)))
     elif algorithm == "NGRAM":
         from draft_service.ngram import NgramConfig
         from draft_service.ngram_draft import NgramDraft

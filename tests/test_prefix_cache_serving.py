@@ -42,6 +42,8 @@ async def test_shared_prefixes_hit_the_cache_and_stay_lossless(pair, algorithm, 
                                          for i, p in enumerate(asks[1:])))
         bm = scheduler.test_target_runner.block_manager
         assert bm.num_cache_hits > 0
+        if algorithm == "STANDALONE":  # the draft model reuses the shared prompt's KV too
+            assert scheduler.test_proposer.runner.block_manager.num_cache_hits >= 4 * BLOCK
         await _assert_no_kv_leak(scheduler)  # cached blocks nobody uses count as free
     assert first == hf_greedy(hf, asks[0], 20)
     for prompt, (out, usage, _) in zip(asks[1:], results):
@@ -98,3 +100,11 @@ def test_the_flag_reaches_the_target_engine_config():
     assert not _engine_config(on, draft=True).enable_prefix_cache  # the draft runner keeps its own KV uncached
     serve = build_parser().parse_args(["serve", "--disable-radix-cache"])
     assert "--disable-radix-cache" in commands(serve)["target-0"]
+    assert "--disable-radix-cache" in commands(serve)["draft-0"]
+    from tandem.services import build_proposer
+
+    for flags, cached in (([], True), (["--disable-radix-cache"], False)):
+        args = build_parser().parse_args(["draft", "--speculative-algorithm", "STANDALONE", *flags])
+        args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
+        proposer, _path = build_proposer(args)
+        assert proposer.runner.block_manager.prefix_cache is cached
