@@ -259,8 +259,9 @@ def markdown(result: dict) -> str:
     temps = sorted({k for r in result["engine"] for k in r if k.startswith("tau_")})
     columns = ["method", *(f"τ (T={t[5:]})" for t in temps), "tok/s (batch 1, greedy)", "vs AR"]
     upto = "up to " if result.get("stop_at_eos") else ""
+    stop = " (stop at EOS)" if upto else ""
     lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {upto}{result['max_new_tokens']} new "
-             f"tokens{' (stop at EOS)' if upto else ''}; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
+             f"tokens{stop}; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
     for r in result["engine"] + result["hf"]:
         tps = r.get("tokens_per_s_b1")
