@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 C = TypeVar("C")
 
 
-def _weight(seq_id: str, address: str) -> int:
+def rendezvous_weight(seq_id: str, address: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seq_id}|{address}".encode(), digest_size=8).digest(), "big")
 
 
@@ -40,7 +40,7 @@ class PodPool(Generic[C]):
         live = self.live()
         if not live:
             return None
-        return max(live, key=lambda c: _weight(seq_id, c.address))
+        return max(live, key=lambda c: rendezvous_weight(seq_id, c.address))
 
     def mark_down(self, client: C, reason: str) -> None:
         logger.warning("pod %s marked down for %.1fs: %s", client.address, self.retry_s, reason)

@@ -2,8 +2,9 @@
 
 Each loop iteration: release finished/aborted sequences on their pods, admit waiting requests (one batched target
 Prefill per pod), then one step for all running sequences — one batched Propose per draft pod, one batched Verify
-per target pod, the pods of a kind called concurrently — and commit what the targets accepted. Sequences are routed
-to a (draft, target) pair by rendezvous hashing over the live pods. The gateway's committed token list is the source
+per target pod, the pods of a kind called concurrently — and commit what the targets accepted. A sequence's target
+pod is chosen cache-aware (gateway/routing.py: the pod already holding its prompt prefix, load permitting), its draft
+pod by rendezvous hashing over the live pods. The gateway's committed token list is the source
 of truth: a pod that answers STALE, or a target pod that is lost, is re-synced from it (re-prefill on another pod);
 a sequence without a reachable draft pod decodes target-only.
 
@@ -27,6 +28,7 @@ from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, P
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
+from gateway.routing import PrefixRouter, RoutingConfig
 from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
                            InvalidRequest, Overloaded, Unavailable)
@@ -48,6 +50,7 @@ class SchedulerConfig:
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
+    routing: RoutingConfig = RoutingConfig()  # how new sequences pick a target pod
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -72,6 +75,7 @@ class Scheduler:
                              "overlapped drafting")
         self.adaptive = adaptive
         self.targets = PodPool(targets, config.pod_retry_s)
+        self.router = PrefixRouter(config.routing)
         self.drafts = PodPool(drafts, config.pod_retry_s)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -244,7 +248,11 @@ class Scheduler:
         if seq.target is not None:  # the pod it lived on failed: rebuild its KV elsewhere from the committed list
             seq.needs_target_prefill = seq.num_output > 0
             seq.features.reset(None)
-        seq.target = self.targets.route(seq.seq_id)
+        load: dict[str, int] = defaultdict(int)
+        for other in self._running:
+            if other.target is not None and not other.finished:
+                load[other.target.address] += 1
+        seq.target = self.router.choose(seq.seq_id, seq.committed, self.targets.live(), load)
         return seq.target is not None
 
     async def _admit_waiting(self) -> None:

@@ -144,6 +144,16 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-step-streams", action="store_true",
                    help="send every Verify/Propose step as a unary RPC instead of over one persistent bidirectional "
                         "stream per pod (streams are the default: about half the per-step RPC overhead)")
+    g.add_argument("--routing-policy", default="cache_aware", choices=["cache_aware", "consistent_hash"],
+                   help="how a new sequence picks its target pod: cache_aware = the pod that already holds its prompt "
+                        "prefix (prefix cache), unless loads are unbalanced, else the least loaded; consistent_hash = "
+                        "rendezvous hashing of the sequence id")
+    g.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: fraction of the prompt's KV blocks a pod must hold to get the sequence for them")
+    g.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: loads (running sequences per target pod) count as unbalanced when max - min "
+                        "exceeds this and max > min * --balance-rel-threshold; then the least loaded pod is used")
+    g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="see --balance-abs-threshold")
     g.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="refuse longer prompts with 400 / INVALID_ARGUMENT (default: only the context bounds them)")
     g.add_argument("--max-request-body-bytes", type=int, default=8 << 20,

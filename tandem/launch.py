@@ -129,6 +129,9 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         gateway += ["--disable-step-streams"]
     if getattr(args, "num_continuous_decode_steps", 1) != 1:
         gateway += ["--num-continuous-decode-steps", str(args.num_continuous_decode_steps)]
+    gateway += ["--routing-policy", args.routing_policy, "--cache-threshold", str(args.cache_threshold),
+                "--balance-abs-threshold", str(args.balance_abs_threshold),
+                "--balance-rel-threshold", str(args.balance_rel_threshold)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
     if args.tokenizer_path:

@@ -204,6 +204,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     from gateway.clients import DraftClient, TargetClient
     from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
     from gateway.openai_api import build_app
+    from gateway.routing import RoutingConfig
     from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
     from gateway.tokenizer import Tokenizer
 
@@ -232,10 +233,12 @@ async def run_gateway(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
     try:
+        routing = RoutingConfig(args.routing_policy, args.kv_block_size, args.cache_threshold,
+                                args.balance_abs_threshold, args.balance_rel_threshold)
         config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
-                                 num_continuous_decode_steps=args.num_continuous_decode_steps)
+                                 num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
