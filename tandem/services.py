@@ -337,7 +337,10 @@ async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[st
                                       lambda a: DraftClient(a, credentials=credentials, step_streams=step_streams))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
-                pool.update(found, factory)
+                _, removed = pool.update(found, factory)
+                if pool is scheduler.targets:
+                    for address in removed:  # a pod that comes back under the address starts with an empty cache
+                        scheduler.router.forget(address)
 
 
 def _addresses(value: str | None) -> list[str]:
