@@ -107,7 +107,7 @@ STATUS_INVALID = pb.SEQ_STATUS_INVALID
 def _sampling(s: RequestSampling) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                            repetition_penalty=s.repetition_penalty)
+                            repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
     if s.seed is not None:
         msg.seed = s.seed
     return msg

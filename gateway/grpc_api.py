@@ -120,6 +120,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             seed=request.seed if request.HasField("seed") else None,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty or 1.0,
+            logit_bias=dict(request.logit_bias),
         )
         return GenerateParams(request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
                               prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -238,6 +238,7 @@ class _OpenAIServer:
             seed=None if req.seed is None else req.seed % (1 << 64),  # the pods take a uint64 seed
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias),
         )
         return GenerateParams(request_id=id_prefix + uuid.uuid4().hex, prompt_token_ids=prompt_ids,
                               max_new_tokens=max_tokens, sampling=sampling, stop=[s for s in stop if s],
@@ -349,3 +350,15 @@ def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more validation errors)"
     return error_body(message, "invalid_request_error", param)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's {"token id": bias} -> {id: bias}; a key that is not a token id is a 400 on logit_bias."""
+    out = {}
+    for key, bias in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+        out[token] = float(bias)
+    return out

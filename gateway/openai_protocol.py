@@ -43,8 +43,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = None  # [-2, 2], exact under speculation (the target applies it in verify)
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM/HF), > 0, 1 = off
-    # Accepted for compatibility, rejected below unless it keeps its neutral value.
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -70,7 +69,6 @@ class CompletionRequest(_SamplingRequest):
 def unsupported_fields(req: _SamplingRequest) -> list[str]:
     """Names of fields set to a value this server cannot honour."""
     checks = {
-        "logit_bias": bool(req.logit_bias),
         "tools": bool(getattr(req, "tools", None)),
         "tool_choice": getattr(req, "tool_choice", None) not in (None, "none", "auto"),
         "functions": bool(getattr(req, "functions", None)),

@@ -162,6 +162,8 @@ class Scheduler:
                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", "prompt")
         if max(params.prompt_token_ids) >= self.vocab_size or min(params.prompt_token_ids) < 0:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if any(token >= self.vocab_size for token in params.sampling.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
         if params.max_new_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if prompt_len + params.max_new_tokens > self.max_context_len:

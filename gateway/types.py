@@ -78,6 +78,7 @@ class RequestSampling:
     presence_penalty: float = 0.0  # OpenAI, over generated tokens, [-2, 2]
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF/vLLM, over prompt and generated tokens, > 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI: token id -> bias in [-100, 100]
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= 100.0):
@@ -89,6 +90,8 @@ class RequestSampling:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise InvalidRequest("logit_bias maps token ids >= 0 to biases in [-100, 100]", "logit_bias")
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty}",
                                  "repetition_penalty")

@@ -32,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI logit_bias: (token id, added to its logit), in [-100, 100]
 
     def __post_init__(self) -> None:
         temp = self.temperature
@@ -56,10 +57,15 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0 or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token!r}: {bias!r}")
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        """Penalties or a logit bias: the raw logits are adjusted before temperature / top-k / top-p."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -81,8 +87,8 @@ def penalize_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     """Penalised logits (R, V) float32 of one sequence. Row r continues prompt_ids + output_ids + row_tokens[r] (a
     verify row follows the draft tokens on its tree path, which count as generated). vLLM's order and semantics: the
     repetition penalty divides positive / multiplies negative logits of every token seen in the prompt or output
-    (HF's RepetitionPenaltyLogitsProcessor); then logit -= frequency * count - presence * [count > 0] over generated
-    tokens (OpenAI). No host sync beyond building the index tensors."""
+    (HF's RepetitionPenaltyLogitsProcessor); then logit -= frequency * count + presence * [count > 0] over generated
+    tokens (OpenAI); then the logit_bias is added. No host sync beyond building the index tensors."""
     out = logits.float()  # (R, V)
     if not params.has_penalties:
         return out
@@ -106,6 +112,10 @@ def penalize_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
         out = out - params.frequency_penalty * counts
     if params.presence_penalty:
         out = out - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:  # OpenAI adds the bias to the logit (after vLLM's penalties)
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        out = out.index_add(1, ids, bias.expand(num_rows, -1).contiguous())
     return out
 
 

@@ -15,7 +15,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     seed = msg.seed if msg.HasField("seed") else None
     return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=top_k, seed=seed,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          repetition_penalty=msg.repetition_penalty or 1.0)
+                          repetition_penalty=msg.repetition_penalty or 1.0,
+                          logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())))
 
 
 def stop_from_pb(msg: pb.StopParams) -> StopRule:

@@ -314,6 +314,8 @@ class TargetEngine:
             return f"token id {max(inp.token_ids)} outside the vocabulary ({vocab})"
         if len(inp.token_ids) >= self.max_context_len:
             return f"{len(inp.token_ids)} tokens exceed the context length {self.max_context_len}"
+        if any(token >= vocab for token, _ in inp.sampling.logit_bias):
+            return f"logit_bias names a token id outside the vocabulary ({vocab})"
         return ""
 
     def _tokens_needed(self, n: int) -> int:

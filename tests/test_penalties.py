@@ -1,4 +1,4 @@
-"""Presence / frequency / repetition penalties, applied by the target in every verify row exactly as plain decoding
+"""Presence / frequency / repetition penalties and logit_bias, applied by the target in every verify row exactly as plain decoding
 would (committed tokens plus the row's tree path), so speculation stays lossless with them:
 penalize_logits against a naive per-token reference; greedy through the real step path (plain, STANDALONE tree,
 NGRAM) == HF `generate(repetition_penalty=...)` and == a token-by-token reference loop for presence/frequency;
@@ -25,6 +25,8 @@ def _naive(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: l
             out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
     for t, c in counts.items():
         out[t] -= p.frequency_penalty * c + p.presence_penalty
+    for t, b in p.logit_bias:
+        out[t] += b
     return out
 
 
@@ -33,7 +35,9 @@ def _naive(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: l
     SamplingParams(frequency_penalty=-0.7),
     SamplingParams(repetition_penalty=1.3),
     SamplingParams(presence_penalty=1.0, frequency_penalty=0.4, repetition_penalty=0.8),
-], ids=["presence", "frequency", "repetition", "all"])
+    SamplingParams(logit_bias=((7, -5.0), (30, 2.5))),
+    SamplingParams(frequency_penalty=0.3, logit_bias=((9, 100.0),)),
+], ids=["presence", "frequency", "repetition", "all", "logit-bias", "bias-and-frequency"])
 def test_penalize_logits_equals_a_naive_reference_per_row(p):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=gen)
@@ -45,10 +49,12 @@ def test_penalize_logits_equals_a_naive_reference_per_row(p):
     assert torch.equal(penalize_logits(logits, SamplingParams(), prompt, output), logits)
 
 
-@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0}])
+@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+                                    {"logit_bias": {5: 101.0}}, {"logit_bias": {-1: 1.0}}])
 def test_out_of_range_penalties_are_refused_everywhere(kwargs):
+    engine_kwargs = {k: tuple(v.items()) if isinstance(v, dict) else v for k, v in kwargs.items()}
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)
+        SamplingParams(**engine_kwargs)
     with pytest.raises(InvalidRequest) as exc:
         RequestSampling(**kwargs)
     assert exc.value.param == next(iter(kwargs))
@@ -117,3 +123,20 @@ async def test_greedy_with_presence_and_frequency_penalties_equals_the_reference
         assert out == _reference_greedy(hf, prompt, 20, p)
     plain = [_reference_greedy(hf, prompt, 20, SamplingParams()) for prompt in PROMPTS]
     assert plain != outs  # the penalties change what these prompts decode to
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", CONFIGS)
+async def test_greedy_with_logit_bias_equals_the_reference_and_bans_tokens(pair, algorithm, steps, topk, ndt):
+    target, draft, hf = pair
+    plain = [_reference_greedy(hf, prompt, 16, SamplingParams()) for prompt in PROMPTS]
+    banned = {t: -100.0 for t in {out[0] for out in plain} | {out[3] for out in plain}}  # each prompt's 1st/4th
+    sampling = RequestSampling(temperature=0.0, logit_bias={**banned, 17: 3.0})
+    p = SamplingParams(logit_bias=tuple(sorted({**banned, 17: 3.0}.items())))
+    async with local_stack(target, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        outs = [await _generate(scheduler, prompt, 16, sampling, f"lb{i}") for i, prompt in enumerate(PROMPTS)]
+        with pytest.raises(InvalidRequest) as exc:  # ids past the vocabulary are refused before admission
+            await _generate(scheduler, PROMPTS[0], 4, RequestSampling(logit_bias={10 ** 6: 1.0}), "bad")
+        assert exc.value.param == "logit_bias"
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == _reference_greedy(hf, prompt, 16, p) and not set(out) & set(banned)

@@ -177,8 +177,10 @@ async def test_error_interceptor_maps_unary_exceptions_for_any_servicer(backend,
 
 async def test_generate_passes_penalties_to_the_backend(stub, backend):
     [r async for r in stub.Generate(pb.GenerateRequest(text="hi", max_new_tokens=2, presence_penalty=0.5,
-                                                       frequency_penalty=0.25, repetition_penalty=1.1))]
+                                                       frequency_penalty=0.25, repetition_penalty=1.1,
+                                                       logit_bias={3: -100.0}))]
     [r async for r in stub.Generate(pb.GenerateRequest(text="hi", max_new_tokens=2))]
     set_, unset = backend.requests[-2].sampling, backend.requests[-1].sampling
     assert (set_.presence_penalty, set_.frequency_penalty, round(set_.repetition_penalty, 5)) == (0.5, 0.25, 1.1)
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert set_.logit_bias == {3: -100.0} and unset.logit_bias == {}

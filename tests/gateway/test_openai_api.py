@@ -97,8 +97,9 @@ def test_penalties_reach_the_backend(client, backend):
     client.completions.create(model=MODEL_NAME, prompt="abc", max_tokens=4, presence_penalty=0.5,
                               frequency_penalty=-0.25, extra_body={"repetition_penalty": 1.2})
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                   presence_penalty=1.5)
+                                   presence_penalty=1.5, logit_bias={"7": -100, "12": 4.5})
     completion, chat = backend.requests[-2].sampling, backend.requests[-1].sampling
+    assert chat.logit_bias == {7: -100.0, 12: 4.5} and completion.logit_bias == {}
     assert (completion.presence_penalty, completion.frequency_penalty, completion.repetition_penalty) == \
         (0.5, -0.25, 1.2)
     assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (1.5, 0.0, 1.0)
@@ -189,6 +190,8 @@ def test_raw_completion_stream_ends_with_done(server, backend, tokenizer, includ
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "frequency_penalty": -9}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"5": 250}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x"} | {"model": MODEL_NAME, "stream": "yes please"}, 400, "stream"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages"),
