@@ -108,3 +108,20 @@ def test_the_flag_reaches_the_target_engine_config():
         args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
         proposer, _path = build_proposer(args)
         assert proposer.runner.block_manager.prefix_cache is cached
+
+
+async def test_a_small_kv_pool_evicts_cached_blocks_and_stays_exact(pair):
+    """Prompts that together exceed the KV pool: cached blocks are evicted to make room, a later repeat of an evicted
+    prompt recomputes it, a recent one still hits, and every output is HF's."""
+    target, _, hf = pair
+    vocab = hf.config.vocab_size
+    prompts = [[3 + (13 * i + 7 * j) % (vocab - 3) for j in range(100)] for i in range(8)]
+    async with local_stack(target, max_total_tokens=320) as scheduler:  # 20 blocks: about 2 prompts' worth
+        outs = [await generate_ids(scheduler, p, 8, request_id=f"k{i}") for i, p in enumerate(prompts)]
+        again_old, usage_old, _ = await generate_ids(scheduler, prompts[0], 8, request_id="old")
+        again_new, usage_new, _ = await generate_ids(scheduler, prompts[-1], 8, request_id="new")
+        await _assert_no_kv_leak(scheduler)
+    for p, (out, _, _) in zip(prompts, outs):
+        assert out == hf_greedy(hf, p, 8)
+    assert again_old == outs[0][0] and usage_old.cached_prompt_tokens == 0  # evicted long ago
+    assert again_new == outs[-1][0] and usage_new.cached_prompt_tokens == 6 * BLOCK  # (100 - 1) // 16 blocks
