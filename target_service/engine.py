@@ -128,7 +128,33 @@ class TargetEngine:
     def prefill(self, inputs: list[PrefillInput]) -> list[StepOutput]:
         """Prompts into KV, one forward for the batch (chunked when long). With the prefix cache on, a prompt's
         leading full blocks already cached are reused (at least its last token is computed: its logits sample the
-        first token); requests returning features compute every prompt token (a draft needs all of them)."""
+        first token); requests returning features compute every prompt token (a draft needs all of them). Prompts
+        that share a first block with an earlier prompt of the same batch (n > 1, a burst with one system prompt)
+        wait for a second forward, so that they reuse what the first one computed."""
+        outputs: dict[int, StepOutput] = {}
+        total_ms = 0.0
+        for group in self._split_shared_prefixes(inputs):
+            if group:
+                self.last_forward_ms = 0.0
+                outputs.update((id(inp), out) for inp, out in self._prefill(group))
+                total_ms += self.last_forward_ms
+        self.last_forward_ms = total_ms
+        return [outputs[id(inp)] for inp in inputs]
+
+    def _split_shared_prefixes(self, inputs: list[PrefillInput]) -> tuple[list[PrefillInput], list[PrefillInput]]:
+        if not self._prefix_cache or len(inputs) < 2:
+            return inputs, []
+        bs = self.runner.block_manager.block_size
+        seen: set[tuple[int, ...]] = set()
+        first, second = [], []
+        for inp in inputs:
+            key = tuple(inp.token_ids[:bs]) if len(inp.token_ids) > bs + 1 and not inp.return_features else None
+            (second if key is not None and key in seen else first).append(inp)
+            if key is not None:
+                seen.add(key)
+        return first, second
+
+    def _prefill(self, inputs: list[PrefillInput]) -> list[tuple[PrefillInput, StepOutput]]:
         outputs: list[StepOutput] = []
         forwards: list[tuple[PrefillInput, SeqForward]] = []
         pending = 0  # KV slots the queued forwards will take
@@ -171,7 +197,7 @@ class TargetEngine:
             self._commit(by_id[inp.seq_id], seq, [token])
             if inp.logprobs >= 0:
                 by_id[inp.seq_id].logprobs = token_logprobs(rows[-1:], [token], inp.logprobs)
-        return outputs
+        return list(zip(inputs, outputs))
 
     def verify(self, inputs: list[VerifyInput]) -> list[StepOutput]:
         """One verify forward for the batch; then, for plain decodes asking num_decode_steps > 1 (SGLang's

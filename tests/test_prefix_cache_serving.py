@@ -125,3 +125,28 @@ async def test_a_small_kv_pool_evicts_cached_blocks_and_stays_exact(pair):
         assert out == hf_greedy(hf, p, 8)
     assert again_old == outs[0][0] and usage_old.cached_prompt_tokens == 0  # evicted long ago
     assert again_new == outs[-1][0] and usage_new.cached_prompt_tokens == 6 * BLOCK  # (100 - 1) // 16 blocks
+
+
+def test_one_prefill_batch_of_prompts_with_a_shared_prefix_computes_it_once(pair):
+    """n > 1 or a burst with one system prompt: the engine prefills the first such prompt, then the others on top of
+    its cached blocks, with the first tokens of separate prefills."""
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from runtime.sampling import SamplingParams
+    from target_service.engine import PrefillInput, StopRule, TargetEngine
+
+    target, _, hf = pair
+    system = _system(hf.config.vocab_size, 50)
+    prompts = [system + [9], system + [9], system + [4, 5], [7] * 30, system[:10] + [8]]
+    stop = StopRule(max_new_tokens=4, ignore_eos=True)
+
+    def engine() -> TargetEngine:
+        return TargetEngine(ModelRunner(str(target), EngineConfig(device="cpu", dtype="float32",
+                                                                  max_total_tokens=2048, enable_prefix_cache=True)))
+
+    batched = engine().prefill([PrefillInput(f"s{i}", p, True, SamplingParams(temperature=0), stop)
+                                for i, p in enumerate(prompts)])
+    alone = [engine().prefill([PrefillInput("x", p, True, SamplingParams(temperature=0), stop)])[0] for p in prompts]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert [o.seq_id for o in batched] == [f"s{i}" for i in range(5)]
+    assert [o.num_cached_tokens for o in batched] == [0, 3 * BLOCK, 3 * BLOCK, 0, 0]
