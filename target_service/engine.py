@@ -8,7 +8,6 @@ pending root of the next verify.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import time
 from dataclasses import dataclass, field
@@ -18,9 +17,9 @@ import torch
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams, penalize_logits, process_logits
+from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
+from target_service.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
@@ -90,21 +89,6 @@ class StepOutput:
     num_cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
 
 
-@dataclass
-class _Seq:
-    token_ids: list[int]  # committed tokens; KV holds all but the last
-    sampling: SamplingParams
-    stop: StopRule
-    generator: torch.Generator | None
-
-
-class _GreedyRows(list):
-    """The argmax token of each logits row (read back from the device), and the device's greedy tree walk when a CUDA
-    graph verified the tree: (accepted region nodes, root 0 first; emitted tokens)."""
-
-    walk: tuple[list[int], list[int]] | None = None
-
-
 class TargetEngine:
     """Batched prefill/verify over many sequences with one model forward per call."""
 
@@ -118,7 +102,7 @@ class TargetEngine:
         self.feature_dim = len(self._capture) * runner.model_config.hidden_size if self._capture else 0
         self.device = runner.device
         self.max_context_len = runner.model_config.max_position_embeddings
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, TargetSeq] = {}
         self._prefix_cache = runner.block_manager.prefix_cache
         self.last_forward_ms = 0.0
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
@@ -178,7 +162,8 @@ class TargetEngine:
                 continue
             pending += need
             out.num_cached_tokens = cached
-            self._seqs[inp.seq_id] = _Seq(list(inp.token_ids), inp.sampling, inp.stop, self._generator(inp.sampling))
+            self._seqs[inp.seq_id] = TargetSeq(list(inp.token_ids), inp.sampling, inp.stop,
+                                               new_generator(inp.sampling, self.device))
             if kv_tokens:
                 logits = "last" if inp.sample_next_token else "none"
                 forwards.append((inp, SeqForward(inp.seq_id, list(kv_tokens[cached:]), logits=logits)))
@@ -193,7 +178,7 @@ class TargetEngine:
             if not inp.sample_next_token or rows is None:
                 continue
             seq = self._seqs[inp.seq_id]
-            token = self._sample_rows(rows, seq)[-1]
+            token = sample_rows(rows, seq)[-1]
             self._commit(by_id[inp.seq_id], seq, [token])
             if inp.logprobs >= 0:
                 by_id[inp.seq_id].logprobs = token_logprobs(rows[-1:], [token], inp.logprobs)
@@ -266,7 +251,7 @@ class TargetEngine:
             out.num_steps += len(step.token_ids)
         return (time.perf_counter() - start) * 1e3
 
-    def _room(self, seq: _Seq) -> int:
+    def _room(self, seq: TargetSeq) -> int:
         """Tokens this sequence may still emit before its length limit or the context end."""
         generated = len(seq.token_ids) - seq.stop.prompt_len
         return min(seq.stop.max_new_tokens - generated, self.max_context_len - len(seq.token_ids))
@@ -306,7 +291,7 @@ class TargetEngine:
             if rows is None:
                 continue
             seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
-            outcome = self._accept(inp.tree, rows, seq)
+            outcome = accept(inp.tree, rows, seq)
             kept_nodes = [0] + [i + 1 for i in outcome.accepted_nodes]  # region nodes: root + accepted path
             self.runner.compact(inp.seq_id, kept_nodes)
             out.num_accepted_drafts = outcome.num_accepted_drafts
@@ -349,7 +334,7 @@ class TargetEngine:
         bs = self.runner.block_manager.block_size
         return (n + bs - 1) // bs * bs + bs
 
-    def _sync(self, inp: VerifyInput, seq: _Seq) -> bool:
+    def _sync(self, inp: VerifyInput, seq: TargetSeq) -> bool:
         """Apply the versioning rule: roll back to a shorter committed_len, refuse a longer one."""
         if inp.committed_len > len(seq.token_ids) or inp.committed_len < 1:
             return False
@@ -393,36 +378,12 @@ class TargetEngine:
             feats = [self.runner.model.norm(f) if f is not None else None for f in feats]
         if not greedy:
             return list(result.logits), feats
-        rows = [_GreedyRows(r) for r in result.argmax]
+        rows = [GreedyRows(r) for r in result.argmax]
         for row, walk in zip(rows, result.greedy_tree or ()):
             row.walk = walk
         return rows, feats
 
-    def _sample_rows(self, rows: torch.Tensor | list[int], seq: _Seq) -> list[int]:
-        """Sample one token per logits row with exactly the processing used in verification (rows: logits, or the
-        argmax tokens already taken on device)."""
-        if isinstance(rows, list):
-            return rows
-        rows = self._penalized(rows, seq)
-        if seq.sampling.is_greedy:
-            return rows.argmax(dim=-1).tolist()
-        probs = process_logits(rows.float(), seq.sampling)  # (rows, vocab)
-        return torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1).tolist()
-
-    def _accept(self, tree: DraftTree, rows: torch.Tensor | list[int], seq: _Seq):
-        # rows: (num_nodes + 1, vocab) logits or the (num_nodes + 1) argmax tokens; row 0 predicts the token after the
-        # root, row i+1 the token after node i.
-        if isinstance(rows, _GreedyRows) and rows.walk is not None:  # walked on the device, in the graph
-            path, tokens = rows.walk
-            return VerifyOutcome([node - 1 for node in path[1:]], tokens, len(path) - 1)
-        if isinstance(rows, list):  # greedy batch: the walk over the argmax the device already took (no sync)
-            return verify_greedy(tree, rows)
-        rows = self._penalized(rows, seq, tree)
-        if seq.sampling.is_greedy:
-            return verify_greedy(tree, rows.argmax(dim=-1))
-        return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)
-
-    def _commit(self, out: StepOutput, seq: _Seq, tokens: list[int]) -> None:
+    def _commit(self, out: StepOutput, seq: TargetSeq, tokens: list[int]) -> None:
         """Append emitted tokens, cutting the run at the first stop token / length limit."""
         stop = seq.stop
         kept: list[int] = []
@@ -444,42 +405,3 @@ class TargetEngine:
         if out.finish != Finish.NONE:
             # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
             self.release([out.seq_id])
-
-    @staticmethod
-    def _penalized(rows: torch.Tensor, seq: _Seq, tree: DraftTree | None = None) -> torch.Tensor:
-        """Logits rows (R, V) with the sequence's penalties applied, as plain decoding would see them: row 0 follows
-        the committed tokens, row i + 1 also the tree path ending at draft node i (its drafts count as generated)."""
-        if not seq.sampling.has_penalties:
-            return rows
-        row_tokens = None
-        if tree is not None and tree.token_ids:
-            paths: list[list[int]] = []
-            for token, parent in zip(tree.token_ids, tree.parents):
-                paths.append([*(paths[parent] if parent >= 0 else ()), token])
-            row_tokens = [[], *paths]
-        n = seq.stop.prompt_len
-        return penalize_logits(rows, seq.sampling, seq.token_ids[:n], seq.token_ids[n:], row_tokens)
-
-    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
-        if sampling.is_greedy:
-            return None
-        gen = torch.Generator(device=self.device)
-        if sampling.seed is not None:
-            gen.manual_seed(sampling.seed)
-        else:
-            gen.seed()
-        return gen
-
-
-def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
-    """(logprob of tokens[j] under row j, top-`top` ids, their logprobs) per row: log-softmax of the raw logits."""
-    if not tokens:
-        return []
-    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    if top > 0:
-        values, ids = lp.topk(top, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-    else:
-        values, ids = [[] for _ in tokens], [[] for _ in tokens]
-    return [(c, i, v) for c, i, v in zip(chosen, ids, values)]

@@ -1,0 +1,101 @@
+"""What the target does with the logits rows of one sequence: penalties, sampling of a plain decode row, acceptance of
+a draft tree (greedy walk or exact tree sampling), and the log-probabilities it reports. Every path applies the same
+processing (runtime.sampling), so a verify step can never drift from plain decoding. Knows nothing about batching, KV
+or the wire; TargetEngine owns the sequences these functions read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.sampling import SamplingParams, penalize_logits, process_logits
+from runtime.speculative.tree import DraftTree
+from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
+
+if TYPE_CHECKING:
+    from target_service.engine import StopRule
+
+
+@dataclass
+class TargetSeq:
+    token_ids: list[int]  # committed tokens; KV holds all but the last
+    sampling: SamplingParams
+    stop: StopRule
+    generator: torch.Generator | None
+
+
+class GreedyRows(list):
+    """The argmax token of each logits row (read back from the device), and the device's greedy tree walk when a CUDA
+    graph verified the tree: (accepted region nodes, root 0 first; emitted tokens)."""
+
+    walk: tuple[list[int], list[int]] | None = None
+
+
+def new_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The sequence's private generator (seeded when asked); None for greedy sequences."""
+    if sampling.is_greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if sampling.seed is not None:
+        gen.manual_seed(sampling.seed)
+    else:
+        gen.seed()
+    return gen
+
+
+def penalized(rows: torch.Tensor, seq: TargetSeq, tree: DraftTree | None = None) -> torch.Tensor:
+    """Logits rows (R, V) with the sequence's penalties / logit bias applied, as plain decoding would see them: row 0
+    follows the committed tokens, row i + 1 also the tree path ending at draft node i (its drafts count as
+    generated)."""
+    if not seq.sampling.has_penalties:
+        return rows
+    row_tokens = None
+    if tree is not None and tree.token_ids:
+        paths: list[list[int]] = []
+        for token, parent in zip(tree.token_ids, tree.parents):
+            paths.append([*(paths[parent] if parent >= 0 else ()), token])
+        row_tokens = [[], *paths]
+    n = seq.stop.prompt_len
+    return penalize_logits(rows, seq.sampling, seq.token_ids[:n], seq.token_ids[n:], row_tokens)
+
+
+def sample_rows(rows: torch.Tensor | list[int], seq: TargetSeq) -> list[int]:
+    """One token per logits row with exactly the processing used in verification (rows: logits, or the argmax tokens
+    already taken on the device)."""
+    if isinstance(rows, list):
+        return rows
+    rows = penalized(rows, seq)
+    if seq.sampling.is_greedy:
+        return rows.argmax(dim=-1).tolist()
+    probs = process_logits(rows.float(), seq.sampling)  # (rows, vocab)
+    return torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1).tolist()
+
+
+def accept(tree: DraftTree, rows: torch.Tensor | list[int], seq: TargetSeq) -> VerifyOutcome:
+    """rows: (num_nodes + 1, vocab) logits or the (num_nodes + 1) argmax tokens; row 0 predicts the token after the
+    root, row i+1 the token after draft node i."""
+    if isinstance(rows, GreedyRows) and rows.walk is not None:  # walked on the device, in the graph
+        path, tokens = rows.walk
+        return VerifyOutcome([node - 1 for node in path[1:]], tokens, len(path) - 1)
+    if isinstance(rows, list):  # greedy batch: the walk over the argmax the device already took (no sync)
+        return verify_greedy(tree, rows)
+    rows = penalized(rows, seq, tree)
+    if seq.sampling.is_greedy:
+        return verify_greedy(tree, rows.argmax(dim=-1))
+    return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:
+    """(logprob of tokens[j] under row j, top-`top` ids, their logprobs) per row: log-softmax of the raw logits."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top > 0:
+        values, ids = lp.topk(top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    else:
+        values, ids = [[] for _ in tokens], [[] for _ in tokens]
+    return [(c, i, v) for c, i, v in zip(chosen, ids, values)]
