@@ -66,9 +66,6 @@ class EagleProposer(Proposer):
         self._feats[seq_id] = torch.empty(0, self.feature_size)
         self._feat_start[seq_id] = 0
 
-    def _model_kv_len(self, seq_id: str) -> int:
-        return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
-
     def _on_rollback(self, seq_id: str, kept_len: int) -> None:
         # Tokens from index kept_len changed, so KV positions >= kept_len - 1 (which hold t_{p+1}) are stale; the
         # features f_p of p < kept_len still hold, and the one at kept_len - 1 is resent as row 0 of the new ones.

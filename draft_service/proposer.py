@@ -60,6 +60,7 @@ class Proposer(abc.ABC):
 
     algorithm: str = ""
     needs_features: bool = False  # True: prefill and propose must carry target features
+    runner = None  # the draft model's ModelRunner (its KV); None for proposers without a draft model
 
     def __init__(self) -> None:
         self._tokens: dict[str, list[int]] = {}
@@ -154,7 +155,9 @@ class Proposer(abc.ABC):
     def _model_kv_len(self, seq_id: str) -> int | None:
         """Committed positions the draft model's KV already covers for this sequence (0 if none); None for
         proposers without a draft model."""
-        return None
+        if self.runner is None:
+            return None
+        return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
 
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """The proposer's greedy next token after each sequence's tokens (pre-drafts); absent = cannot guess."""

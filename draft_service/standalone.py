@@ -31,9 +31,6 @@ class StandaloneProposer(Proposer):
         # With the runner's prefix cache, the KV of a cached prompt prefix is reused (the last token is always run).
         self.runner.add_seq(seq_id, self._tokens[seq_id][:-1])
 
-    def _model_kv_len(self, seq_id: str) -> int:
-        return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
-
     def _on_rollback(self, seq_id: str, kept_len: int) -> None:
         if self.runner.kv_len(seq_id) > kept_len:
             self.runner.truncate(seq_id, kept_len)

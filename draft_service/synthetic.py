@@ -304,11 +304,9 @@ class SyntheticProposer(Proposer):
         state = self._seq[seq_id]
         state.checked = min(state.checked, kept_len)
 
-    def _model_kv_len(self, seq_id: str) -> int | None:
-        if self.head is None:
-            return None
-        runner = self.head.runner
-        return runner.kv_len(seq_id) if runner.has_seq(seq_id) else 0
+    @property
+    def runner(self):  # the synthetic head's, when it spends real compute
+        return self.head.runner if self.head is not None else None
 
     def _on_release(self, seq_id: str) -> None:
         self._seq.pop(seq_id, None)

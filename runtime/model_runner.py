@@ -186,10 +186,6 @@ class ModelRunner:
         if self.block_manager.prefix_cache and state.region_start is None:
             self.block_manager.register(seq_id, tokens, state.kv_len)
 
-    def prefix_cache_match(self, tokens: list[int]) -> int:
-        """Leading tokens of `tokens` the prefix cache holds (what add_seq would reuse); 0 without the cache."""
-        return self.block_manager.match_prefix(tokens)
-
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
