@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -95,12 +96,28 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
             proposed += usage.proposed_draft_tokens
         elapsed = time.perf_counter() - start
         channel.close()
+        rpc_ms = gateway_rpc_ms(http)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
             "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
-            "tokens_per_s": tokens / elapsed, "seconds": elapsed}
+            "tokens_per_s": tokens / elapsed, "seconds": elapsed, **rpc_ms}
+
+
+def gateway_rpc_ms(http_port: int) -> dict:
+    """Mean ms per batched Propose and Verify RPC as the gateway timed them (its Prometheus histograms; the
+    warm-up request included), and the wall ms per step they add up to."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for name in ("draft_time", "verify_time"):
+        total = sum(float(v) for v in re.findall(rf"^tandem:{name}_seconds_sum(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        count = sum(float(v) for v in re.findall(rf"^tandem:{name}_seconds_count(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        out[f"{name.split('_')[0]}_rpc_ms"] = 1e3 * total / count if count else 0.0
+    return out
 
 
 def hf_peers(prompts: list[str] | list[list[int]], args) -> list[dict]:
@@ -161,11 +178,12 @@ def main() -> None:
     for r in results:
         r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None
     print(json.dumps(results, indent=2))
-    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR |\n|---|---|---|---|---|")
+    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | Propose RPC ms | Verify RPC ms |"
+          "\n|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         print(f"| {r['config']} | {r['mean_accept_length']:.2f} | {r['accept_rate']:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {speedup} |")
+              f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('draft_rpc_ms', 0):.2f} | {r.get('verify_rpc_ms', 0):.2f} |")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

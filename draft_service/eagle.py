@@ -19,6 +19,7 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
+from runtime.speculative.draft_step import CatchUp
 from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
 ALGORITHMS = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3"}
@@ -101,6 +102,9 @@ class EagleProposer(Proposer):
         trees: dict[str, DraftTree] = {}
         # Too close to the context limit, out of KV, or no root feature yet: no proposal, the target decodes alone.
         active = [inp for inp in inputs if self._fits(inp)]
+        static = self._draft_static(active)
+        if static is not None:
+            return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
         roots = self._catch_up(active)
         groups: dict[SpecShape, list[ProposeInput]] = defaultdict(list)
         for inp in active:
@@ -113,6 +117,39 @@ class EagleProposer(Proposer):
         for inp in active:  # drop the speculative nodes' KV; committed positions [0, C-1) stay
             self.runner.truncate(inp.seq_id, inp.committed_len - 1)
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+
+    def _draft_static(self, inputs: list[ProposeInput]) -> dict[str, DraftTree] | None:
+        """The whole Propose as one static device step (runtime/speculative/draft_step.py) when one was enabled for
+        this shape and every sequence's catch-up fits it; None = draft eagerly."""
+        step = self._static_step_for(inputs)
+        if step is None:
+            return None
+        bm, shape = self.runner.block_manager, step.shape
+        plans = []
+        for inp in inputs:
+            first = min(self.runner.kv_len(inp.seq_id), inp.committed_len - 2)
+            total = inp.committed_len - 1 + shape.num_steps * shape.topk
+            if not 1 <= inp.committed_len - 1 - first <= shape.catch_up or bm.blocks_for(total) > step.max_blocks:
+                return None
+            if first < self._feat_start[inp.seq_id]:
+                raise RuntimeError(f"seq {inp.seq_id!r}: the feature of position {first} was dropped")
+            plans.append((inp, first, total))
+        for inp, first, _ in plans:
+            if first < self.runner.kv_len(inp.seq_id):
+                self.runner.truncate(inp.seq_id, first)
+        self.runner.reserve({inp.seq_id: total for inp, _, total in plans})
+        items = []
+        for inp, first, _ in plans:
+            seq_id, end = inp.seq_id, inp.committed_len - 1
+            rows = self._feats[seq_id][first - self._feat_start[seq_id]:]
+            items.append(CatchUp(self._tokens[seq_id][first + 1:end + 1], first, bm.slots(seq_id, first, end),
+                                 bm.block_table(seq_id), rows))
+        trees = step.propose(items)
+        for inp, _, _ in plans:  # the catch-up is committed, the tree nodes were scratch
+            self.runner.written(inp.seq_id, inp.committed_len - 1)
+            self._feats[inp.seq_id] = self._feats[inp.seq_id][-1:]
+            self._feat_start[inp.seq_id] = inp.committed_len - 2
+        return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
 
     def _fits(self, inp: ProposeInput) -> bool:
         spec, committed_len = inp.spec, inp.committed_len

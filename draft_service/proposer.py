@@ -64,6 +64,32 @@ class Proposer(abc.ABC):
 
     def __init__(self) -> None:
         self._tokens: dict[str, list[int]] = {}
+        self._static_steps: dict[SpecShape, object] = {}  # SpecShape -> runtime.speculative.draft_step step
+
+    def enable_static_step(self, spec: SpecShape, max_bs: int) -> bool:
+        """Propose batches of this shape through runtime/speculative/draft_step.py: the whole Propose as static device
+        code, one CUDA graph per batch bucket (captured here) on CUDA, eager elsewhere. Only model drafters whose
+        runner uses the triton backend (static attention metadata) can; returns whether this one does."""
+        runner = self.runner
+        if runner is None or not hasattr(runner.attn_backend, "use_static_metadata") or spec.num_draft_tokens < 2:
+            return False
+        from runtime.speculative.draft_step import StaticDraftStep, StepShape
+
+        shape = StepShape(spec.num_steps, spec.topk, spec.num_draft_tokens, catch_up=spec.num_steps + 1)
+        step = StaticDraftStep(runner, shape, max_bs, feature_head=self.needs_features)
+        step.capture()
+        self._static_steps[spec] = step
+        return True
+
+    def _static_step_for(self, inputs: list[ProposeInput]):
+        """The static step that can run this whole batch (one shape, within its largest bucket), or None."""
+        if not inputs or not self._static_steps:
+            return None
+        spec = inputs[0].spec
+        step = self._static_steps.get(spec)
+        if step is None or len(inputs) > step.max_bs or any(inp.spec != spec for inp in inputs):
+            return None
+        return step
 
     def prefill(self, seq_id: str, token_ids: list[int], features: torch.Tensor | None = None) -> Status:
         """features: (len(token_ids) - 1, F), row i = the target feature of token_ids[i] (feature drafts only)."""

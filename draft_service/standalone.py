@@ -13,6 +13,7 @@ import torch
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
 from runtime.chunked import forward_chunked
 from runtime.model_runner import ModelRunner, SeqForward
+from runtime.speculative.draft_step import CatchUp
 from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
 
@@ -43,6 +44,9 @@ class StandaloneProposer(Proposer):
         trees: dict[str, DraftTree] = {}
         # Sequences too close to the context limit (or out of KV) get no proposal: the target decodes alone.
         active = [inp for inp in inputs if self._fits(inp)]
+        static = self._draft_static(active)
+        if static is not None:
+            return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
         last_logits = self._catch_up(active)
         groups: dict[SpecShape, list[ProposeInput]] = defaultdict(list)
         for inp in active:
@@ -54,6 +58,33 @@ class StandaloneProposer(Proposer):
         for inp in active:  # drop the speculative nodes' KV; committed KV stays for the next step
             self.runner.truncate(inp.seq_id, inp.committed_len)
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+
+    def _draft_static(self, inputs: list[ProposeInput]) -> dict[str, DraftTree] | None:
+        """The whole Propose as one static device step (runtime/speculative/draft_step.py) when one was enabled for
+        this shape and every sequence's catch-up fits it; None = draft eagerly."""
+        step = self._static_step_for(inputs)
+        if step is None:
+            return None
+        bm, shape = self.runner.block_manager, step.shape
+        plans = []
+        for inp in inputs:
+            start = min(self.runner.kv_len(inp.seq_id), inp.committed_len - 1)  # the last token is always re-run
+            total = inp.committed_len + shape.num_steps * shape.topk
+            if not 1 <= inp.committed_len - start <= shape.catch_up or bm.blocks_for(total) > step.max_blocks:
+                return None
+            plans.append((inp, start, total))
+        for inp, start, _ in plans:
+            if start < self.runner.kv_len(inp.seq_id):
+                self.runner.truncate(inp.seq_id, start)
+        self.runner.reserve({inp.seq_id: total for inp, _, total in plans})
+        items = [CatchUp(self._tokens[inp.seq_id][start:inp.committed_len], start,
+                         bm.slots(inp.seq_id, start, inp.committed_len), bm.block_table(inp.seq_id))
+                 for inp, start, _ in plans]
+        trees = step.propose(items)
+        for inp, _, _ in plans:  # the catch-up is committed, the tree nodes were scratch
+            self.runner.written(inp.seq_id, inp.committed_len)
+            self.runner.cache_prefix(inp.seq_id, self._tokens[inp.seq_id])
+        return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
 
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """Argmax of the draft after the guessed tail: its guess of the target's bonus token."""

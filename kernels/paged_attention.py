@@ -26,7 +26,10 @@ from kernels._common import FLOAT_DTYPES, check, check_index, interpreting, next
 _NEG = tl.constexpr(-1.0e30)
 
 
-@triton.jit
+# Per-call integers that vary from forward to forward (batch tokens, block-table and mask widths, split count) are
+# not specialised: Triton would otherwise compile a new variant for 1, for multiples of 16 and for the rest of each,
+# ~0.1 s per compile on the GPU host, in the middle of serving (bench/results/gpu_step_h200/NOTES.md).
+@triton.jit(do_not_specialize=["stride_bt", "stride_mask", "mask_width", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_table_ptr, query_start_ptr, kv_len_ptr, prefix_len_ptr, use_tree_ptr, tree_mask_ptr,
@@ -131,7 +134,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, num_tokens, num_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -241,7 +244,7 @@ def paged_attention(
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, num_tokens, num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_S=next_pow2(num_splits),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_S=_MAX_SPLITS,  # one variant for every split count (masked)
         )
     return out
 

@@ -244,6 +244,30 @@ class ModelRunner:
         if self._mirror is not None:  # the other ranks keep rank 0's accepted nodes in their own KV heads
             self._mirror.record("compact", seq_id, list(region_nodes))
 
+    # ---- static steps (runtime/speculative/draft_step.py write the KV themselves) -----------------------------------
+    def reserve(self, totals: dict[str, int]) -> None:
+        """Grow each sequence's block table to hold `totals[seq_id]` KV indices, all or nothing (OutOfKVBlocks before
+        any change); kv_len is unchanged until `written`."""
+        for seq_id, total in totals.items():
+            if self._state(seq_id).region_start is not None:
+                raise ValueError(f"seq {seq_id!r}: a tree region is open")
+        bm = self.block_manager
+        needed = sum(bm.num_blocks_needed(seq_id, total) for seq_id, total in totals.items())
+        if needed > bm.num_free_blocks():
+            raise OutOfKVBlocks(needed, bm.num_free_blocks())
+        for seq_id, total in totals.items():
+            bm.ensure_capacity(seq_id, total)
+
+    def written(self, seq_id: str, kv_len: int) -> None:
+        """A static step wrote this sequence's KV [kv_len(), kv_len) (and scratch nodes past it, now dropped): kv_len
+        becomes its length and the blocks past it are freed."""
+        state = self._state(seq_id)
+        if kv_len < state.kv_len or kv_len > self.block_manager.capacity(seq_id):
+            raise ValueError(f"seq {seq_id!r}: written up to {kv_len}, KV holds {state.kv_len}, reserved "
+                             f"{self.block_manager.capacity(seq_id)}")
+        state.kv_len = kv_len
+        self._copy_blocks(self.block_manager.truncate(seq_id, kv_len))
+
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(

@@ -135,6 +135,23 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=default_num_splits(num_seqs * self.num_kv_heads * tiles, device),
         )
 
+    def use_static_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_start: torch.Tensor,
+        kv_lens: torch.Tensor, prefix_lens: torch.Tensor, max_query_len: int, tree_mask: torch.Tensor | None = None,
+        use_tree: torch.Tensor | None = None,
+    ) -> None:
+        """The next forward's metadata as device tensors computed by device code (a static draft step builds them
+        inside its CUDA graph, runtime/speculative/draft_step.py): block_tables (B, W) int32, query_start (B+1,),
+        kv_lens, prefix_lens (B,) int32, tree_mask (N, width) uint8 with use_tree (B,) int32, or neither (chain)."""
+        num_seqs = kv_lens.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        tiles = -(-max_query_len // max(1, _tokens_per_tile(group, max_query_len)))
+        self._meta = _Metadata(
+            slot_mapping=slot_mapping, block_tables=block_tables, query_start=query_start, kv_lens=kv_lens,
+            prefix_lens=prefix_lens, max_query_len=max_query_len, tree_mask=tree_mask, use_tree=use_tree,
+            num_splits=default_num_splits(num_seqs * self.num_kv_heads * tiles, slot_mapping.device),
+        )
+
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: KVPool
     ) -> torch.Tensor:

@@ -1,0 +1,259 @@
+"""One draft Propose as static-shape device code: the catch-up over newly committed tokens (SGLang's draft-extend,
+left-padded to a fixed width), the `num_steps - 1` tree forwards of `topk` beam nodes, the per-step top-k and beam
+selection (BeamTreeBuilder's own ops), the final re-rank to `num_draft_tokens - 1` nodes with their parents, and the
+draft -> target id map, all on the device. On CUDA each (batch bucket) is captured as one CUDA graph at start-up and
+a Propose is: one host->device copy of the packed inputs, one replay, one device->host copy of the trees.
+
+The eager proposers (draft_service/standalone.py, eagle.py) stay the reference and the CPU path; this step runs the
+same model, the same attention kernels (the triton backend with metadata computed on the device) and the same beam
+ops, so its trees equal theirs (tests/graphs/test_draft_step.py). It owns no sequence state: the proposer decides
+what each sequence catches up and reserves its KV; this module reads the runner's block tables.
+
+Layout of one sequence b (Q = catch-up width, k = topk, S = num_steps, R_b = KV length after the catch-up):
+  catch-up rows  [b*Q, b*Q + Q): the last n_b rows are the new tokens at KV indices [R_b - n_b, R_b), the first
+                 Q - n_b are padding (write no KV, attend to the prefix only, never read);
+  tree step s    k nodes at KV indices R_b + s*k + r, RoPE position R_b + s, attending to the prefix [0, R_b) and
+                 their ancestors among the earlier nodes (a dense (k, S*k) mask built from the beam parents).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.speculative.tree import ROOT, BeamTreeBuilder, DraftTree
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    catch_up: int  # Q: widest catch-up the static step takes (num_steps + 1 covers every accepted path + bonus)
+
+
+@dataclass
+class CatchUp:
+    """What one sequence's static Propose needs from the proposer: the committed tokens the draft has not seen
+    (and, for feature heads, their raw target features), where they go in the KV, and the block table."""
+
+    token_ids: list[int]  # n <= Q tokens, written at KV indices [start, start + n)
+    start: int  # KV index of token_ids[0]; the prefix [0, start) is already in the draft's KV
+    slots: list[int]  # n flat KV slots
+    block_table: list[int]
+    features: torch.Tensor | None = None  # (n, F) raw target features (EAGLE heads), any device/dtype
+
+
+def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BeamTreeBuilder.finalize on the device: the best `budget` candidates per row by cumulative log-prob (ties to
+    the lower flat index), in flat-index order (parents first), with their parents as node indices (-1 = root).
+    Returns (tokens (b, budget), parents (b, budget), count (b,)); slots past count are -1.
+
+    Equals tree._select_closed: with log-prob scores a child never beats its parent and has a higher flat index, so
+    the global order is a best-first order of the frontier; -inf (and NaN, mapped to -inf) candidates and their
+    subtrees are left out."""
+    b, num = scores.shape
+    budget = min(budget, num)
+    scores = torch.nan_to_num(scores.float(), nan=-torch.inf)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    top = order.indices[:, :budget]  # (b, budget)
+    ok = order.values[:, :budget] > -torch.inf
+    count = ok.sum(dim=-1)
+    big = torch.full_like(top, num)
+    chosen = torch.sort(torch.where(ok, top, big), dim=-1).values  # flat indices ascending, the left-outs last
+    valid = chosen < num
+    safe = torch.where(valid, chosen, torch.zeros_like(chosen))
+    node_tokens = tokens.gather(1, safe)
+    flat_parent = parents.gather(1, safe)  # flat candidate index of each chosen node's parent, -1 = root
+    node_of = torch.full((b, num + 1), -1, dtype=torch.long, device=scores.device)
+    node_of.scatter_(1, torch.where(valid, chosen, big), torch.arange(budget, device=scores.device).expand(b, -1))
+    parent_node = node_of.gather(1, torch.where(flat_parent < 0, torch.full_like(flat_parent, num), flat_parent))
+    minus = torch.full_like(node_tokens, -1)
+    return torch.where(valid, node_tokens, minus), torch.where(valid, parent_node, minus), count
+
+
+class StaticDraftStep:
+    """The static Propose of one draft ModelRunner (triton attention backend) for one StepShape, eager on CPU and
+    one CUDA graph per batch bucket on CUDA."""
+
+    def __init__(self, runner, shape: StepShape, max_bs: int, feature_head: bool) -> None:
+        from runtime.cuda_graph import capture_batch_sizes
+
+        self.runner, self.shape, self.feature_head = runner, shape, feature_head
+        model, bm, dev = runner.model, runner.block_manager, runner.device
+        self.block_size = bm.block_size
+        s, k, q = shape.num_steps, shape.topk, shape.catch_up
+        cfg = runner.model_config
+        max_context = min(cfg.max_position_embeddings + q + s * k, bm.num_blocks * bm.block_size)
+        self.max_blocks = -(-max_context // bm.block_size)
+        self.sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        nb = self.max_bs
+        # Packed int64 inputs, one host->device copy per Propose: per sequence [ids (Q), positions (Q), slots (Q),
+        # start (1), kv_after (1), block table (max_blocks)].
+        self.width = 3 * q + 2 + self.max_blocks
+        self.inputs = torch.zeros(nb, self.width, dtype=torch.int64, device=dev)
+        self.features = None
+        if feature_head:
+            self.features = torch.zeros(nb * q, model.feature_size, dtype=runner.dtype, device=dev)
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> (b, 2M + 1) int64 result of the last run
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    # ---- the static computation ----------------------------------------------------------------------------------
+    def run(self, num_seqs: int) -> torch.Tensor:
+        """The device code of one Propose of `num_seqs` (a bucket) sequences over the static inputs; returns the
+        (num_seqs, 2M + 1) int64 result: tree tokens (target ids, -1 past the count), parents, node count."""
+        runner, model, shape = self.runner, self.runner.model, self.shape
+        backend, kv_pool = runner.attn_backend, runner.kv_pool
+        b, q, k, steps = num_seqs, shape.catch_up, shape.topk, shape.num_steps
+        dev = self.inputs.device
+        x = self.inputs[:b]
+        ids, pos, slots = x[:, :q], x[:, q:2 * q], x[:, 2 * q:3 * q]
+        start, kv_after = x[:, 3 * q], x[:, 3 * q + 1]
+        tables = x[:, 3 * q + 2:].to(torch.int32)
+        kv_after32 = kv_after.to(torch.int32)
+        # Catch-up: causal chain appends, left-padded (kv_len - Q + i is each row's last visible key).
+        backend.use_static_metadata(
+            slot_mapping=slots.reshape(-1), block_tables=tables,
+            query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * q, kv_lens=kv_after32,
+            prefix_lens=start.to(torch.int32), max_query_len=q)
+        extra = {}
+        if self.feature_head:
+            extra["input_features"] = model.project_features(self.features[:b * q])
+        out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, None, **extra)
+        last = torch.arange(b, device=dev) * q + (q - 1)
+        hidden = out.hidden[last]  # (b, H): the root's recurrent hidden (feature heads) / last hidden
+        root_logits = model.compute_logits(hidden)
+        builder = BeamTreeBuilder(b, steps, k, shape.num_draft_tokens)
+        nodes = builder.first(torch.log_softmax(root_logits.float(), dim=-1))
+        parent_hidden = hidden.unsqueeze(1).expand(b, k, -1)
+        width = steps * k
+        ancestors = torch.zeros(b, k, width, dtype=torch.uint8, device=dev)
+        eye = torch.eye(k, dtype=torch.uint8, device=dev)
+        for step in range(1, steps):
+            s = step - 1  # the builder step whose nodes are forwarded now
+            if s > 0:
+                ranks = nodes.parents - (s - 1) * k  # (b, k) beam rank of each node's parent in the last step
+                ancestors = ancestors.gather(1, ranks.unsqueeze(-1).expand(-1, -1, width))
+            else:
+                ranks = torch.zeros_like(nodes.parents)
+            ancestors[:, :, s * k:(s + 1) * k] |= eye  # each node sees itself
+            feats = parent_hidden.gather(1, ranks.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
+            region = kv_after.unsqueeze(1) + s * k + torch.arange(k, device=dev)  # (b, k) KV indices
+            block = tables.gather(1, (region // self.block_size).to(torch.long)).to(torch.long)
+            node_slots = block * self.block_size + region % self.block_size
+            positions = (kv_after + s).unsqueeze(1).expand(b, k)
+            backend.use_static_metadata(
+                slot_mapping=node_slots.reshape(-1), block_tables=tables,
+                query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * k,
+                kv_lens=kv_after32 + (s + 1) * k, prefix_lens=kv_after32, max_query_len=k,
+                tree_mask=ancestors.reshape(b * k, width), use_tree=torch.ones(b, dtype=torch.int32, device=dev))
+            extra = {"input_features": feats.reshape(b * k, -1)} if self.feature_head else {}
+            out = model(self._to_target(nodes.tokens).reshape(-1), positions.reshape(-1), backend, kv_pool, None,
+                        **extra)
+            logits = model.compute_logits(out.hidden)  # (b*k, V)
+            parent_hidden = out.hidden.view(b, k, -1)
+            nodes = builder.next(torch.log_softmax(logits.float(), dim=-1).view(b, k, -1))
+        levels = builder._levels
+        tokens, parents, count = select_tree_device(
+            torch.cat([lv.scores for lv in levels], dim=1), torch.cat([lv.tokens for lv in levels], dim=1),
+            torch.cat([lv.parents for lv in levels], dim=1), shape.num_draft_tokens - 1)
+        mapped = torch.where(tokens >= 0, self._to_target(tokens.clamp(min=0)), tokens)
+        return torch.cat([mapped, parents, count.unsqueeze(1)], dim=1)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        mapping = getattr(self.runner.model, "draft_to_target", None)
+        return draft_ids if mapping is None else mapping[draft_ids]
+
+    # ---- capture / replay ----------------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """One CUDA graph per batch bucket (largest first, sharing one memory pool); eager on CPU."""
+        from runtime.models.llama import graph_capture_mode
+
+        if self.runner.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        with graph_capture_mode():
+            for bs in reversed(self.sizes):
+                self._pad_inputs(bs)
+                for _ in range(2):  # warm-up outside the capture: Triton JIT, cuBLAS heuristics
+                    self.run(bs)
+                torch.cuda.synchronize(self.runner.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[bs] = self.run(bs)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.synchronize(self.runner.device)
+        logger.info("draft step %s: captured %d CUDA graphs (batch sizes %s) in %.1f s", self.shape,
+                    len(self.graphs), self.sizes, time.perf_counter() - t0)
+
+    def _pad_inputs(self, bs: int) -> None:
+        """Padding sequences: no KV writes (slot -1), one visible key of block 0, finite features."""
+        q = self.shape.catch_up
+        self.inputs[:bs].zero_()
+        self.inputs[:bs, 2 * q:3 * q] = -1
+        self.inputs[:bs, 3 * q + 1] = 1
+        if self.features is not None:
+            self.features[:bs * q].zero_()
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((s for s in self.sizes if s >= num_seqs), None)
+
+    def fits(self, item: CatchUp) -> bool:
+        return 1 <= len(item.token_ids) <= self.shape.catch_up and len(item.block_table) <= self.max_blocks
+
+    def propose(self, items: list[CatchUp]) -> list[DraftTree]:
+        """Trees for these sequences (each `fits`, at most max_bs of them); the caller reserved KV for every
+        catch-up token and every tree node ([0, start + n + num_steps * topk)) and commits the catch-up after."""
+        num = len(items)
+        bs = self.bucket_for(num)
+        if bs is None:
+            raise ValueError(f"{num} sequences exceed the static draft step's {self.max_bs}")
+        q = self.shape.catch_up
+        host = torch.zeros(bs, self.width, dtype=torch.int64)
+        host[:, 2 * q:3 * q] = -1
+        host[num:, 3 * q + 1] = 1
+        feats = []
+        for i, item in enumerate(items):
+            n = len(item.token_ids)
+            pad = q - n
+            host[i, pad:q] = torch.tensor(item.token_ids)
+            host[i, q + pad:2 * q] = torch.arange(item.start, item.start + n)
+            host[i, 2 * q + pad:3 * q] = torch.tensor(item.slots)
+            host[i, 3 * q] = item.start
+            host[i, 3 * q + 1] = item.start + n
+            host[i, 3 * q + 2:3 * q + 2 + len(item.block_table)] = torch.tensor(item.block_table)
+            if self.feature_head:
+                feats.append((pad, item.features))
+        on_cuda = self.inputs.device.type == "cuda"
+        self.inputs[:bs].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        if self.feature_head:
+            f = self.features[:bs * q].view(bs, q, -1)
+            f.zero_()
+            for i, (pad, rows) in enumerate(feats):
+                f[i, pad:].copy_(rows, non_blocking=on_cuda)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            result = self.outputs[bs]
+        else:
+            from runtime.models.llama import graph_capture_mode
+
+            with torch.inference_mode(), graph_capture_mode():
+                result = self.run(bs)
+        self.num_replays += 1
+        rows = result[:num].tolist()  # the one device->host copy of a Propose
+        m = self.shape.num_draft_tokens - 1
+        trees = []
+        for row in rows:
+            count = row[2 * m]
+            trees.append(DraftTree(row[:count], [ROOT if p < 0 else p for p in row[m:m + count]]))
+        return trees

@@ -1,0 +1,140 @@
+"""The static draft step (runtime/speculative/draft_step.py: a whole Propose as static-shape device code, one CUDA
+graph per batch bucket on a GPU) gives exactly the eager proposers' trees and generations, STANDALONE and EAGLE-3,
+chains and trees, batch 1 and 6 (padded into buckets), and reads the device back once per Propose. On CPU its device
+code runs eagerly with the triton backend through the interpreter, as the eager proposers here do."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.eagle import EagleProposer
+from draft_service.proposer import SpecShape
+from draft_service.standalone import StandaloneProposer
+from runtime.config import EngineConfig
+from runtime.model_runner import ModelRunner
+from runtime.speculative.draft_step import select_tree_device
+from runtime.speculative.tree import BeamTreeBuilder, _select_closed
+from tests.graphs.test_graph_paths import _config, _record_trees, _standalone_loop
+from tests.tiny_models import make_tiny_model
+
+TREE = SpecShape(num_steps=3, topk=2, num_draft_tokens=5)
+CHAIN = SpecShape(num_steps=3, topk=1, num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("draft_step"))
+
+
+class ReadbackCounter:
+    """Counts device->host reads (.tolist / .item / .cpu / .to('cpu')) of tensors made while it is active."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        for name in ("tolist", "item", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **kw):
+                self.count += 1
+                return _original(t, *a, **kw)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_device_selection_equals_the_host_frontier_selection():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        b, steps, k = 3, 4, 3
+        builder = BeamTreeBuilder(b, steps, k, num_draft_tokens=9)
+        vocab = 7
+        logits = torch.randn(b, vocab, generator=gen)
+        if trial % 3 == 0:  # exact ties and zero-probability tokens
+            logits = torch.randint(0, 3, (b, vocab), generator=gen).float()
+            logits[:, -1] = -torch.inf
+        nodes = builder.first(torch.log_softmax(logits, dim=-1))
+        for _ in range(1, steps):
+            nodes = builder.next(torch.log_softmax(torch.randn(b, k, vocab, generator=gen), dim=-1))
+        want = builder.finalize()
+        levels = builder._levels
+        scores = torch.cat([lv.scores for lv in levels], 1)
+        tokens, parents, count = select_tree_device(scores, torch.cat([lv.tokens for lv in levels], 1),
+                                                    torch.cat([lv.parents for lv in levels], 1), 8)
+        for i, tree in enumerate(want):
+            n = int(count[i])
+            assert tokens[i, :n].tolist() == tree.token_ids
+            assert parents[i, :n].tolist() == tree.parents
+            assert (tokens[i, n:] == -1).all()
+        # and the host reference itself on the same candidates
+        host = _select_closed(scores[0].tolist(), torch.cat([lv.tokens for lv in levels], 1)[0].tolist(),
+                              torch.cat([lv.parents for lv in levels], 1)[0].tolist(), 8)
+        assert host.token_ids == want[0].token_ids
+
+
+@pytest.mark.parametrize("spec", [TREE, CHAIN], ids=["tree", "chain"])
+def test_standalone_static_step_matches_eager(llama, spec, monkeypatch):
+    static_p = StandaloneProposer(ModelRunner(llama, _config()))
+    assert static_p.enable_static_step(spec, max_bs=8)
+    step = static_p._static_steps[spec]
+    eager_p = StandaloneProposer(ModelRunner(llama, _config()))
+    rng = random.Random(3)
+    prompts = {f"s{i}": [rng.randrange(3, 320) for _ in range(5 + i)] for i in range(6)}
+    results = []
+    for proposer in (static_p, eager_p):
+        trees = _record_trees(proposer)
+        target = ModelRunner(llama, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048, block_size=4))
+        results.append((_standalone_loop(target, proposer, prompts, spec, steps=4), trees))
+    assert step.num_replays == 3  # every Propose but the first (whose prompt catch-up is wider than Q: eager)
+    assert results[0] == results[1]
+    assert all(len(tokens) == spec.num_draft_tokens - 1 for call in results[0][1] for tokens, _ in call)
+    assert static_p.runner.num_free_tokens() == eager_p.runner.num_free_tokens()  # no leaked scratch blocks
+
+
+def test_standalone_static_step_batch_one_and_one_readback(llama, monkeypatch):
+    static_p = StandaloneProposer(ModelRunner(llama, _config()))
+    static_p.enable_static_step(TREE, max_bs=4)
+    eager_p = StandaloneProposer(ModelRunner(llama, _config()))
+    prompts = {"a": [5, 17, 42, 99, 7, 250]}
+    outs = []
+    for proposer in (static_p, eager_p):
+        target = ModelRunner(llama, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048, block_size=4))
+        outs.append(_standalone_loop(target, proposer, prompts, TREE, steps=3))
+    assert outs[0] == outs[1]
+    # One readback per Propose, whatever the batch: count it on a warm proposer.
+    from draft_service.proposer import ProposeInput
+
+    for batch in (1, 3):
+        p = StandaloneProposer(ModelRunner(llama, _config()))
+        p.enable_static_step(TREE, max_bs=4)
+        seqs = {f"r{i}": [3 + i, 9, 27, 81, 200, 11 + i] for i in range(batch)}
+        for s, toks in seqs.items():
+            p.prefill(s, toks)
+        p.propose([ProposeInput(s, len(t), [], TREE) for s, t in seqs.items()])  # prompt catch-up: eager
+        counter = ReadbackCounter(monkeypatch)
+        p.propose([ProposeInput(s, len(t) + 1, [1], TREE) for s, t in seqs.items()])
+        assert counter.count == 1, batch
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("spec", [TREE, CHAIN], ids=["tree", "chain"])
+def test_eagle3_static_step_matches_eager(tmp_path, spec):
+    from tests.eagle.heads import make_eagle3_head
+    from tests.eagle.test_eagle_lossless import speculative_greedy
+
+    target_path = make_tiny_model("llama", tmp_path / "target")
+    head = make_eagle3_head(target_path, str(tmp_path / "eagle3"))
+    results = []
+    for static in (True, False):
+        proposer = EagleProposer(target_path, head, _config(max_total_tokens=1024), algorithm="EAGLE3")
+        if static:
+            assert proposer.enable_static_step(spec, max_bs=4)
+        trees = _record_trees(proposer)
+        target = ModelRunner(target_path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048,
+                                                       block_size=4))
+        generated, accepts = speculative_greedy(target, proposer, [5, 17, 42, 99, 7], 10, spec)
+        results.append((generated, accepts, trees))
+        if static:
+            assert proposer._static_steps[spec].num_replays >= len(trees) - 1  # all but the prompt catch-up
+    assert results[0] == results[1]
