@@ -38,6 +38,9 @@ CONFIGS = {
     "STANDALONE 3/1/4": ["--speculative-algorithm", "STANDALONE"],
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
 }
+# The same shapes drafting step by step from the host (the pre-static-step path), for the A/B in one run.
+CONFIGS.update({f"{name} eager": [*flags, "--disable-static-draft-step"] for name, flags in list(CONFIGS.items())
+                if flags and "NGRAM" not in flags})
 
 
 def _sync(device: torch.device) -> None:

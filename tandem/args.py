@@ -94,6 +94,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-draft-attention-backend", default=None,
                    help="attention backend of the draft model's runner: torch, triton, flashinfer or auto (default: "
                         "--attention-backend)")
+    g.add_argument("--disable-static-draft-step", action="store_true",
+                   help="draft step by step from the host (per-forward graphs, host-side tree building) instead of "
+                        "one static device step per Propose (runtime/speculative/draft_step.py, one CUDA graph per "
+                        "batch bucket; chosen by bench/results/gpu_step_h200); A/B benchmarks")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,

@@ -143,17 +143,33 @@ def build_proposer(args: argparse.Namespace):
         # target features: no cache there).
         config = dataclasses.replace(config, enable_prefix_cache=not getattr(args, "disable_radix_cache", False))
         runner = _build_runner(path, config)
-        return StandaloneProposer(runner), path
+        return _static_step(StandaloneProposer(runner), args), path
     if algorithm in ("EAGLE", "EAGLE3"):
         from draft_service.eagle import EagleProposer
 
         path = str(args.speculative_draft_model_path)
         engine_config = _engine_config(args, args.speculative_draft_load_format, draft=True)
-        return EagleProposer(model_path(args), path, engine_config, algorithm,
-                             token_map=args.speculative_token_map), path
+        return _static_step(EagleProposer(model_path(args), path, engine_config, algorithm,
+                                          token_map=args.speculative_token_map), args), path
     if algorithm == "SYNTHETIC":
         return build_synthetic(args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
+
+
+def _static_step(proposer, args: argparse.Namespace):
+    """Propose the served shape as one static device step (one CUDA graph per batch bucket) where the draft runner
+    can (a GPU, the triton backend, graphs on); other shapes (adaptive tiers, pre-drafts) and other devices draft
+    step by step."""
+    from draft_service.proposer import SpecShape
+
+    steps, topk, ndt = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    runner = proposer.runner
+    if (getattr(args, "disable_static_draft_step", False) or not steps or runner.device.type != "cuda"
+            or getattr(args, "disable_cuda_graph", False)):
+        return proposer
+    if proposer.enable_static_step(SpecShape(steps, topk, ndt), max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):
+        logger.info("draft: static draft step for %d/%d/%d", steps, topk, ndt)
+    return proposer
 
 
 def build_synthetic(args: argparse.Namespace):

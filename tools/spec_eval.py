@@ -119,9 +119,10 @@ class EngineBench:
 
 
 def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-              offset: int, eos_token_ids=None) -> tuple[int, int]:
+              offset: int, eos_token_ids=None, outputs: dict | None = None) -> tuple[int, int]:
     """(verify steps, generated tokens) over one batch; the prefill's first token is not a speculative step.
-    eos_token_ids: stop a sequence at these (None: ignore EOS, always max_new_tokens)."""
+    eos_token_ids: stop a sequence at these (None: ignore EOS, always max_new_tokens). outputs: filled with each
+    sequence's committed tokens (prompt included), keyed by its id."""
     from draft_service.proposer import ProposeInput, SpecShape
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
@@ -164,6 +165,8 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
         active = [s for s in active if s not in done]
         if proposer is not None and done:
             proposer.release(done)
+    if outputs is not None:
+        outputs.update(committed)
     # The prefill token costs a target forward too, so count it as a step of one token.
     return steps + len(prompts), tokens
 

@@ -180,7 +180,7 @@ class StaticDraftStep:
         if self.runner.device.type != "cuda":
             return
         t0 = time.perf_counter()
-        with graph_capture_mode():
+        with torch.inference_mode(), graph_capture_mode():
             for bs in reversed(self.sizes):
                 self._pad_inputs(bs)
                 for _ in range(2):  # warm-up outside the capture: Triton JIT, cuBLAS heuristics
@@ -244,10 +244,8 @@ class StaticDraftStep:
         if bs in self.graphs:
             self.graphs[bs].replay()
             result = self.outputs[bs]
-        else:
-            from runtime.models.llama import graph_capture_mode
-
-            with torch.inference_mode(), graph_capture_mode():
+        else:  # CPU (and buckets without a graph): the same device code, eager
+            with torch.inference_mode():
                 result = self.run(bs)
         self.num_replays += 1
         rows = result[:num].tolist()  # the one device->host copy of a Propose

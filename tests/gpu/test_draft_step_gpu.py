@@ -1,0 +1,86 @@
+"""The static draft step as real CUDA graphs (one per batch bucket, the whole Propose inside) on the bundled demo
+family: greedy generations equal the eager proposers' and plain decoding's, token for token (fp32), the trees are
+the eager ones (all but near-ties: the graphs run the fused kernels), and a Propose replays one graph."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.gpu.conftest import skip_without_gpu
+
+skip_without_gpu()
+
+import torch  # noqa: E402
+
+from draft_service.eagle import EagleProposer  # noqa: E402
+from draft_service.proposer import SpecShape  # noqa: E402
+from draft_service.standalone import StandaloneProposer  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+from runtime.model_runner import ModelRunner  # noqa: E402
+from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE3, DEFAULT_MODEL  # noqa: E402
+from tools.spec_eval import Method, _generate  # noqa: E402
+
+
+def _config(spec: SpecShape) -> EngineConfig:
+    return EngineConfig(device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=32768,
+                        cuda_graph_max_bs=8, cuda_graph_num_draft_tokens=spec.topk if spec.topk > 1 else None,
+                        cuda_graph_mask_width=spec.num_steps * spec.topk)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    lines = (DEFAULT_MODEL / "heldout_prompts.jsonl").read_text().splitlines()[:n]
+    return [json.loads(line)["prompt_ids"] for line in lines]
+
+
+def _record(proposer) -> list:
+    trees, draft = [], proposer._draft
+
+    def recording(inputs):
+        out = draft(inputs)
+        trees.extend((t.token_ids, t.parents) for t in out)
+        return out
+
+    proposer._draft = recording
+    return trees
+
+
+@pytest.mark.parametrize("algorithm,spec", [("EAGLE3", SpecShape(5, 4, 16)), ("EAGLE3", SpecShape(3, 1, 4)),
+                                            ("STANDALONE", SpecShape(3, 1, 4)), ("STANDALONE", SpecShape(4, 2, 8))])
+def test_static_draft_step_graphs_match_eager(algorithm, spec):
+    from target_service.engine import TargetEngine
+
+    target = ModelRunner(str(DEFAULT_MODEL), EngineConfig(device="cuda", dtype="float32", attention_backend="triton",
+                                                           max_total_tokens=32768, cuda_graph_max_bs=8,
+                                                           cuda_graph_num_draft_tokens=spec.num_draft_tokens))
+    prompts = _prompts(6)
+    method = Method("m", algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens)
+    results = {}
+    for static in (True, False):
+        if algorithm == "EAGLE3":
+            proposer = EagleProposer(str(DEFAULT_MODEL), str(DEFAULT_EAGLE3), _config(spec), "EAGLE3")
+            capture = {"feature_layers": proposer.target_capture_layers}
+        else:
+            proposer = StandaloneProposer(ModelRunner(str(DEFAULT_DRAFT), _config(spec)))
+            capture = {}
+        if static:
+            assert proposer.enable_static_step(spec, max_bs=8)
+            assert len(proposer._static_steps[spec].graphs) > 0
+        trees = _record(proposer)
+        engine = TargetEngine(target, **capture)
+        outs = {}
+        # batch 1 and batch 6 (bucket 6), greedy
+        for batch in (1, 6):
+            committed: dict = {}
+            _generate(engine, proposer, method, prompts[:batch], 40, 0.0, 100 * batch, outputs=committed)
+            outs[batch] = committed
+        if static:
+            assert proposer._static_steps[spec].num_replays > 0
+        results[static] = (outs, trees)
+    (outs_s, trees_s), (outs_e, trees_e) = results[True], results[False]
+    assert outs_s == outs_e  # greedy: the same tokens whatever the draft
+    plain = {}
+    _generate(TargetEngine(target), None, Method("AR", "NONE"), prompts[:6], 40, 0.0, 600, outputs=plain)
+    assert list(outs_s[6].values()) == list(plain.values())  # and plain decoding's
+    same = sum(a == b for a, b in zip(trees_s, trees_e))
+    assert same >= 0.9 * len(trees_e), f"{same}/{len(trees_e)} trees equal"
