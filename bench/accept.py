@@ -38,6 +38,12 @@ CONFIGS = {
                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
     "EAGLE3-tree": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5",
                     "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
+    # What a user gets with no step flags (auto shapes), and the 5/4/16 tree drafting step by step from the host.
+    "EAGLE3-auto": ["--speculative-algorithm", "EAGLE3"],
+    "EAGLE3-tree-eager": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5",
+                          "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16",
+                          "--disable-static-draft-step"],
+    "NGRAM-auto": ["--speculative-algorithm", "NGRAM"],
     # EAGLE (EAGLE-2) serves the bundled target's EAGLE-2 head (tandem/args.py DEFAULT_EAGLE) with no model flags.
     "EAGLE-chain": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
