@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.args import model_path
+from tandem.args import DEFAULT_DRAFT, model_path
 
 
 def _free_port(host: str) -> int:
@@ -146,10 +146,66 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                         ("--service-tls-key", args.service_tls_key)):
         if value:
             gateway += [flag, value]
+    for name, fraction in gpu_memory_shares(args, list(cmds)).items():
+        cmds[name] += ["--mem-fraction-static", str(fraction)]
     cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
     if getattr(args, "with_envoy", False):
         cmds["envoy"] = _envoy_command(args, host, temp_dirs)
     return cmds
+
+
+def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of=None) -> dict[str, float]:
+    """--mem-fraction-static of each model service when it was omitted on CUDA: the GPU's automatic fraction
+    (runtime.memory.auto_mem_fraction_static), split between the processes placed on that GPU in proportion to
+    their checkpoint sizes (a draft gets 10%..50% of a shared GPU; an NGRAM draft uses no GPU memory)."""
+    device = str(args.device)
+    on_cuda = device.startswith("cuda") or getattr(args, "base_gpu_id", None) is not None
+    if not on_cuda or args.mem_fraction_static is not None or args.max_total_tokens:
+        return {}
+    default_gpu = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+    tp_size = getattr(args, "tp_size", 1)
+    placed: dict[int, dict[str, float]] = {}  # gpu -> {process: weight}
+    target_size = _checkpoint_bytes(model_path(args)) or 1
+    for name in names:
+        if name.startswith("target-"):
+            i = int(name.split("-")[1])
+            base = args.base_gpu_id
+            gpu = default_gpu if base is None else base + i * tp_size
+            placed.setdefault(gpu, {})[name] = target_size
+        elif name.startswith("draft-") and args.speculative_algorithm != "NGRAM":
+            gpu = args.draft_base_gpu_id if getattr(args, "draft_base_gpu_id", None) is not None else default_gpu
+            draft = args.speculative_draft_model_path or (
+                str(DEFAULT_DRAFT) if args.speculative_algorithm == "STANDALONE" else None)
+            size = _checkpoint_bytes(draft) if draft else None
+            placed.setdefault(gpu, {})[name] = size if size is not None else target_size / 4
+    if total_bytes_of is None:
+        import torch
+
+        def total_bytes_of(gpu: int) -> int:
+            return torch.cuda.get_device_properties(gpu).total_memory
+
+    from runtime.memory import auto_mem_fraction_static
+
+    shares = {}
+    for gpu, weights in placed.items():
+        budget = auto_mem_fraction_static(total_bytes_of(gpu))
+        targets = {n: w for n, w in weights.items() if n.startswith("target-")}
+        drafts = {n: w for n, w in weights.items() if n.startswith("draft-")}
+        draft_part = 0.0
+        if drafts and targets:  # drafts share in proportion to size, within bounds
+            draft_part = min(0.5, max(0.1, sum(drafts.values()) / sum(weights.values())))
+        elif drafts:
+            draft_part = 1.0
+        for group, part in ((targets, 1.0 - draft_part), (drafts, draft_part)):
+            for name, weight in group.items():
+                shares[name] = round(budget * part * weight / sum(group.values()), 3)
+    return shares
+
+
+def _checkpoint_bytes(path: str) -> int | None:
+    """Bytes of a checkpoint folder's safetensors files (None when there are none, e.g. dummy weights)."""
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    return sum(f.stat().st_size for f in files) or None
 
 
 def _envoy_command(args: argparse.Namespace, host: str, temp_dirs: list[Path] | None) -> list[str]:

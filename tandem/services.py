@@ -46,7 +46,18 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
             kwargs["cuda_graph_extra_widths"] = tuple(s + 1 for s in adaptive_steps(args) if s > 0)
     if args.max_total_tokens:
         kwargs["max_total_tokens"] = args.max_total_tokens
+    elif kwargs["mem_fraction_static"] is None and device.startswith("cuda"):
+        kwargs["mem_fraction_static"] = _auto_mem_fraction(device)  # size the KV pool for this GPU (SGLang's way)
     return EngineConfig(**kwargs)
+
+
+def _auto_mem_fraction(device: str) -> float:
+    """The whole GPU's automatic --mem-fraction-static (`tandem serve` passes each process its share instead)."""
+    import torch
+
+    from runtime.memory import auto_mem_fraction_static
+
+    return auto_mem_fraction_static(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
 def _loading(service: str, path: str, engine_config) -> float:
