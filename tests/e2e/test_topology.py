@@ -28,7 +28,10 @@ def test_replicated_stack_behind_envoy(tmp_path):
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model-path", str(model), "--speculative-algorithm",
            "NGRAM", "--num-target-replicas", "2", "--num-draft-replicas", "2", "--with-envoy", "--envoy-port",
            str(edge), "--port", str(http), "--grpc-port", str(grpc_port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    temp, out = tmp_path / "tmp", tmp_path / "serve.out"
+    temp.mkdir()
+    with out.open("w") as stdout:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(temp)), stdout=stdout)
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -52,6 +55,9 @@ def test_replicated_stack_behind_envoy(tmp_path):
             last = list(pb_grpc.GatewayStub(ch).Generate(pb.GenerateRequest(text="x = 1", max_new_tokens=5,
                                                                             ignore_eos=True), timeout=60))[-1]
             assert last.usage.completion_tokens == 5
+        ready = next(line for line in out.read_text().splitlines() if line.startswith("tandem serve: ready"))
+        assert f"Envoy edge http://127.0.0.1:{edge}" in ready  # says where the edge listens
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    assert [p.name for p in temp.iterdir() if p.name.startswith("tandem-envoy-")] == []  # its config folder is gone

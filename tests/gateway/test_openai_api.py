@@ -451,3 +451,23 @@ def test_bad_logprobs_requests(server, body, param):
     r = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "logprobs": 21},
                    timeout=30)
     assert assert_envelope(r, 400)["param"] == "logprobs"
+
+
+def test_requests_may_name_any_served_name_or_the_model_path(make_server, backend, tokenizer):
+    """--served-model-name takes several names (vLLM's way); the model's path and folder name work too."""
+    from tandem.services import model_aliases
+
+    aliases = model_aliases("models/demo-model", ["demo", "demo-alias"])
+    assert {"demo", "demo-alias", "models/demo-model", "demo-model"} <= set(aliases)
+    server = make_server(build_app(backend, tokenizer, "demo", max_model_len=backend.max_context_len,
+                                   served_model_names=["demo-alias"], model_aliases=aliases))
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", _strict_response_validation=True,
+                           max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list().data] == ["demo", "demo-alias"]
+    for name in ("demo", "demo-alias", "models/demo-model", "demo-model"):
+        resp = client.completions.create(model=name, prompt="hello", max_tokens=3, temperature=0)
+        assert resp.model == "demo" and resp.choices[0].text is not None
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert chat.model == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="models", prompt="hello", max_tokens=3)

@@ -13,7 +13,7 @@ import httpx
 
 from gateway.metrics import GatewayMetrics
 from gateway.types import GenerateParams, RequestSampling
-from tandem.observability import JsonFormatter
+from tandem.observability import JsonFormatter, TextFormatter
 from tests.ops.conftest import ops_stack, parse_metrics, scrape
 
 
@@ -150,6 +150,11 @@ async def test_request_log_lines_carry_ids_tokens_and_accept_length(tiny_model, 
     assert finished.accept_length >= 1.0 and finished.ttft_ms is not None
     line = json.loads(JsonFormatter().format(finished))
     assert line["request_id"] == "log-me" and line["finish_reason"] == "length"
+    text = TextFormatter().format(finished)  # the default --log-format says as much as the JSON one
+    assert "request finished" in text and "completion_tokens=12" in text and "finish_reason=length" in text
+    assert f"accept_length={finished.accept_length}" in text and f"ttft_ms={finished.ttft_ms}" in text
+    assert "request_id=log-me" in TextFormatter().format(started) and "prompt_tokens=3" in TextFormatter().format(
+        started)
 
 
 async def test_rpc_counts_carry_the_status_the_client_saw():

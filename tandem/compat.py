@@ -1,0 +1,201 @@
+"""SGLang commands as written: the SGLang flags Tandem does not act on are accepted by the parser and then refused at
+start-up with one line saying why (not supported yet / not applicable), and flags that would do nothing in the chosen
+configuration get one warning each instead of silence.
+
+Knows flag names and values only (no torch beyond `resolve_device`); `docs/speculative_decoding.md` lists the same
+statuses and its test checks that every flag there parses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Algorithms SGLang has and Tandem does not run yet: parsed, then refused by `check_unsupported`.
+UNBUILT_ALGORITHMS = {
+    "UNO": "UNO (LoRA self-drafting by the target) is not supported yet",
+    "DFLASH": "DFLASH (block-diffusion drafts) is not supported yet",
+    "DSPARK": "DSPARK (block drafts with ragged verify) is not supported yet",
+}
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    """One SGLang flag that Tandem parses but does not act on. `neutral` values (SGLang's default) change nothing and
+    pass; any other value is refused with `reason`. A flag with `warn_only` is never refused: it is ignored with
+    `reason` as the warning."""
+
+    flag: str
+    reason: str
+    kind: type | None = str  # None = a store_true switch
+    default: object = None
+    neutral: tuple = ()
+    choices: tuple | None = None
+    warn_only: bool = False
+    help: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+NOT_YET = "not supported yet"
+NOT_HERE = "not applicable to this deployment"
+COMPAT_FLAGS = (
+    CompatFlag("--speculative-accept-threshold-single", f"{NOT_YET}: acceptance thresholds below 1 (lossy "
+               "acceptance); Tandem verifies exactly", float, 1.0, (1.0,),
+               help="SGLang: accept a draft token outright when its target probability >= this (lossy below 1)"),
+    CompatFlag("--speculative-accept-threshold-acc", f"{NOT_YET}: acceptance thresholds below 1 (lossy acceptance); "
+               "Tandem verifies exactly", float, 1.0, (1.0,),
+               help="SGLang: raise each draft's acceptance probability to min(1, p / this) (lossy below 1)"),
+    CompatFlag("--speculative-use-rejection-sampling", f"{NOT_YET}: chain p/q rejection sampling; sampled requests use "
+               "exact target-only tree sampling, which is lossless too", None, False,
+               help="SGLang: Leviathan/Chen p/q rejection sampling for EAGLE chains"),
+    CompatFlag("--speculative-attention-mode", f"{NOT_YET}: the target verifies trees with its prefill-style "
+               "tree-mask attention only", str, "prefill", ("prefill",), ("prefill", "decode"),
+               help="SGLang: backend used for verify and draft extend; only prefill (SGLang's default) here"),
+    CompatFlag("--speculative-draft-model-revision", f"{NOT_HERE}: Tandem loads local checkpoint folders, never a "
+               "hub revision; pass the downloaded folder to --speculative-draft-model-path",
+               help="SGLang: hub revision of the draft model"),
+    CompatFlag("--speculative-draft-model-quantization", f"{NOT_YET}: quantized weights", str, None, ("unquant",),
+               help="SGLang: quantization of the draft model; only unquant here"),
+    CompatFlag("--speculative-moe-runner-backend", f"{NOT_HERE}: Tandem's models (Llama, Qwen2/3, Mistral) have no "
+               "MoE layers", help="SGLang: MoE runner of the draft model"),
+    CompatFlag("--speculative-moe-a2a-backend", f"{NOT_HERE}: Tandem's models (Llama, Qwen2/3, Mistral) have no MoE "
+               "layers", help="SGLang: MoE all-to-all backend of the draft model"),
+    CompatFlag("--speculative-dsa-topk-backend", f"{NOT_HERE}: DeepSeek sparse attention models are not supported",
+               help="SGLang: DSA top-k backend of the draft"),
+    CompatFlag("--speculative-draft-window-size", f"{NOT_YET}: sliding-window draft KV (EAGLE-3, DFLASH)", int,
+               help="SGLang: sliding attention window of the draft model"),
+    CompatFlag("--speculative-dflash-block-size", f"{NOT_YET}: DFLASH", int,
+               help="SGLang: DFLASH block size (alias of --speculative-num-draft-tokens)"),
+    CompatFlag("--speculative-skip-dp-mlp-sync", f"{NOT_HERE}: there is no data-parallel attention", None, False,
+               help="SGLang: skip the DP MLP sync of EAGLE drafts"),
+    CompatFlag("--speculative-ngram-external-corpus-path", f"{NOT_YET}: external NGRAM corpora",
+               help="SGLang: JSONL corpus for a suffix automaton beside the NGRAM trie"),
+    CompatFlag("--speculative-ngram-external-sam-budget", f"{NOT_YET}: external NGRAM corpora", int, 0, (0,),
+               help="SGLang: trie nodes given to the external corpora's suffix automata"),
+    CompatFlag("--speculative-ngram-external-corpus-max-tokens", f"{NOT_YET}: external NGRAM corpora", int,
+               help="SGLang: token cap of an external NGRAM corpus"),
+    CompatFlag("--enable-multi-layer-eagle", f"{NOT_YET}: multi-layer EAGLE (one MTP layer per draft step)", None,
+               False, help="SGLang: one draft runner per MTP layer (MiMoV2, Step3p5)"),
+    CompatFlag("--uno-lora-path", f"{NOT_YET}: UNO (LoRA self-drafting by the target)",
+               help="SGLang: the UNO draft LoRA of the target"),
+    CompatFlag("--enable-dp-attention", f"{NOT_HERE}: data-parallel attention is for MoE/MLA models; Tandem scales "
+               "data-parallel with --num-target-replicas", None, False,
+               help="SGLang: data-parallel attention"),
+    CompatFlag("--enable-two-batch-overlap", f"{NOT_HERE}: two-batch overlap hides MoE expert-parallel "
+               "communication, and Tandem's models have no MoE layers", None, False,
+               help="SGLang: overlap two micro-batches"),
+    CompatFlag("--disable-overlap-schedule", "no effect: Tandem has no overlap scheduler, steps already run one after "
+               "the other (--enable-overlap-drafting is the overlap Tandem has)", None, False, warn_only=True,
+               help="SGLang: run the scheduler without CPU/GPU overlap; a no-op here (no overlap scheduler)"),
+    CompatFlag("--trust-remote-code", "no effect: Tandem runs its own code for the Llama family (Llama, Qwen2/3, "
+               "Mistral) and never executes a checkpoint's Python", None, False, warn_only=True,
+               help="SGLang: allow custom model code from the checkpoint; a no-op here"),
+)
+SERVICE_COMMANDS = ("serve", "target", "draft", "gateway")
+
+
+def add_sglang_compat_args(p: argparse.ArgumentParser) -> None:
+    """The SGLang flags of COMPAT_FLAGS, in their own help group, so SGLang commands parse."""
+    g = p.add_argument_group("SGLang flags Tandem parses but does not act on (see docs/speculative_decoding.md)")
+    for f in COMPAT_FLAGS:
+        suffix = f" (Tandem: {f.reason})"
+        if f.kind is None:
+            g.add_argument(f.flag, action="store_true", help=f.help + suffix)
+        else:
+            g.add_argument(f.flag, type=f.kind, default=f.default, choices=f.choices, help=f.help + suffix)
+
+
+def check_unsupported(args: argparse.Namespace) -> None:
+    """Exit with one line when the command asks for something Tandem does not do; print the no-op notes."""
+    algorithm = (getattr(args, "speculative_algorithm", None) or "NONE").upper()
+    if algorithm in UNBUILT_ALGORITHMS:
+        raise SystemExit(f"error: --speculative-algorithm {algorithm}: {UNBUILT_ALGORITHMS[algorithm]}")
+    for f in COMPAT_FLAGS:
+        value = getattr(args, f.dest, None)
+        if value is None or value is False or value in f.neutral:
+            continue
+        if f.warn_only:
+            _warn(args, f"{f.flag}: {f.reason}")
+            continue
+        shown = "" if f.kind is None else f" {value}"
+        raise SystemExit(f"error: {f.flag}{shown}: {f.reason}")
+    if algorithm in ("EAGLE", "NEXTN") and _mtp_layers(args):
+        raise SystemExit(f"error: --speculative-algorithm {algorithm} on a checkpoint with MTP layers "
+                         f"(num_nextn_predict_layers in {args.model_path}/config.json): {NOT_YET}; pass an EAGLE head "
+                         "with --speculative-draft-model-path")
+
+
+def _mtp_layers(args: argparse.Namespace) -> int:
+    """num_nextn_predict_layers of the target checkpoint (0 when absent or unreadable)."""
+    path = getattr(args, "model_path", None)
+    config = Path(path) / "config.json" if path else None
+    if config is None or not config.exists():
+        return 0
+    try:
+        return int(json.loads(config.read_text()).get("num_nextn_predict_layers") or 0)
+    except (ValueError, TypeError):
+        return 0
+
+
+def resolve_device(device: str) -> str:
+    """--device auto = cuda when torch sees a GPU (SGLang's behaviour), else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> list[str]:
+    """One line per flag that does nothing in this configuration (call after resolve_spec and resolve_device).
+    Drops the ignored values that would otherwise break a child (an FR-Spec map given to an EAGLE-3 draft).
+    defaults: the parser's defaults by dest, to tell a flag the user gave from one left alone."""
+    notes = []
+    algorithm = getattr(args, "speculative_algorithm", "NONE")
+
+    def given(dest: str) -> bool:
+        return hasattr(args, dest) and getattr(args, dest) != defaults.get(dest)
+
+    if getattr(args, "speculative_token_map", None) and algorithm != "EAGLE":
+        why = ("an EAGLE-3 head carries its own d2t map" if algorithm == "EAGLE3" else
+               "FR-Spec maps apply to EAGLE (EAGLE-2) heads only")
+        notes.append(f"--speculative-token-map is ignored for {_algo(algorithm)}: {why}")
+        args.speculative_token_map = None
+    if getattr(args, "enable_overlap_drafting", False) and algorithm != "STANDALONE":
+        notes.append(f"--enable-overlap-drafting is ignored for {_algo(algorithm)}: only STANDALONE drafts pre-draft "
+                     "the next step")
+    if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
+        notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
+    if algorithm in ("NGRAM", "NONE"):
+        for dest in ("speculative_draft_model_path", "speculative_draft_load_format",
+                     "speculative_draft_attention_backend"):
+            if getattr(args, dest, None):
+                notes.append(f"--{dest.replace('_', '-')} is ignored for {_algo(algorithm)}: there is no draft model")
+    device = str(getattr(args, "device", "cpu"))
+    if device.startswith("cpu") and getattr(args, "base_gpu_id", None) is None \
+            and getattr(args, "draft_base_gpu_id", None) is None:
+        cuda_only = [d for d in ("mem_fraction_static", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
+                                 "disable_cuda_graph", "enable_torch_compile", "torch_compile_max_bs") if given(d)]
+        if cuda_only:
+            flags = ", ".join("--" + d.replace("_", "-") for d in cuda_only)
+            notes.append(f"{flags}: CUDA only, no effect on --device {device}")
+    return notes
+
+
+def _algo(algorithm: str) -> str:
+    return "plain decoding (no --speculative-algorithm)" if algorithm == "NONE" else algorithm
+
+
+def _warn(args: argparse.Namespace, line: str) -> None:
+    if not getattr(args, "no_startup_notes", False):
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def print_startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> None:
+    for line in startup_warnings(args, defaults):
+        _warn(args, line)
