@@ -27,4 +27,16 @@ class NgramDraft(Proposer):
         seq_ids = [inp.seq_id for inp in inputs]
         for seq_id in seq_ids:
             self.trie.sync(seq_id, self._tokens[seq_id])
-        return self.trie.propose(seq_ids)
+        return [pad_tree(tree, self.trie.config.num_draft_tokens) for tree in self.trie.propose(seq_ids)]
+
+
+def pad_tree(tree: DraftTree, num_draft_tokens: int) -> DraftTree:
+    """A non-empty tree filled up to num_draft_tokens - 1 nodes with token 0 attached to the root (SGLang's
+    fillResult), so the target verifies every NGRAM step at one width, the one its CUDA graphs are captured for (a
+    smaller tree ran eagerly: 0.33-0.55x plain decoding on the H200, bench/results/gpu_step_h200/NOTES.md). Padding
+    stays lossless: a pad is accepted only where the target's own choice is token 0 and no real sibling before it
+    matched, and the tree sampler skips repeated sibling tokens. Empty trees stay empty (a plain decode step)."""
+    missing = num_draft_tokens - 1 - len(tree)
+    if not tree.token_ids or missing <= 0:
+        return tree
+    return DraftTree(tree.token_ids + [0] * missing, tree.parents + [-1] * missing)

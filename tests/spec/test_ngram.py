@@ -133,3 +133,49 @@ def _check_tree_links(node) -> None:
     for token, child in node.children.items():
         assert child.parent is node and child.token == token
         _check_tree_links(child)
+
+
+def test_ngram_trees_are_padded_to_the_verify_width_and_stay_lossless():
+    """Non-empty NGRAM trees hold exactly num_draft_tokens - 1 nodes (token-0 pads on the root, SGLang's fillResult),
+    so the target verifies them with the CUDA graph of that width; empty trees stay empty; greedy and sampled
+    verification of a padded tree equal those of the unpadded one (pads are never preferred over a real sibling,
+    and the sampler skips repeated sibling tokens)."""
+    import torch
+
+    from draft_service.ngram import NgramConfig
+    from draft_service.ngram_draft import NgramDraft, pad_tree
+    from draft_service.proposer import ProposeInput, SpecShape
+    from runtime.speculative.tree import DraftTree
+    from runtime.speculative.verify import verify_greedy, verify_tree_sampling
+
+    draft = NgramDraft(NgramConfig(num_draft_tokens=8))
+    tokens = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+    draft.prefill("s", tokens)
+    (out,) = draft.propose([ProposeInput("s", len(tokens), [], SpecShape(1, 1, 8))])
+    assert len(out.tree) == 7
+    draft.prefill("t", [1, 2, 3])
+    (empty,) = draft.propose([ProposeInput("t", 3, [], SpecShape(1, 1, 8))])
+    assert empty.tree.token_ids == []
+
+    gen = torch.Generator().manual_seed(0)
+    real = DraftTree([3, 5, 2], [-1, 0, -1])
+    padded = pad_tree(real, 8)
+    assert padded.token_ids == [3, 5, 2, 0, 0, 0, 0] and padded.parents == [-1, 0, -1, -1, -1, -1, -1]
+    for _ in range(50):
+        argmax = torch.randint(0, 4, (len(padded) + 1,), generator=gen)
+        want = verify_greedy(real, argmax[: len(real) + 1])
+        got = verify_greedy(padded, argmax)
+        if any(node >= len(real) for node in got.accepted_nodes):  # a pad matched: the target's own token was 0
+            assert want.tokens == [0] and got.tokens[0] == 0
+        else:
+            assert got.tokens == want.tokens
+    # Sampling: the first emitted token of the padded tree follows the target's root row exactly.
+    from scipy.stats import chisquare
+
+    probs = torch.softmax(torch.randn(len(padded) + 1, 6, generator=gen), dim=-1).double()
+    counts = torch.zeros(6)
+    for seed in range(3000):
+        out = verify_tree_sampling(padded, probs, torch.Generator().manual_seed(seed))
+        counts[out.tokens[0]] += 1
+    expected = (probs[0] / probs[0].sum() * counts.sum()).numpy()
+    assert chisquare(counts.double().numpy(), expected * counts.sum().item() / expected.sum()).pvalue > 1e-3
