@@ -138,7 +138,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto" = checkpoint dtype on CUDA, float32 on CPU
     load_format: str = "auto"  # "dummy" = random weights of the config's shape, no weight files needed
-    attention_backend: str = "torch"  # "auto" = triton on CUDA (when installed), torch elsewhere
+    # "auto" = triton on CUDA (when installed), torch elsewhere: the CLI's default too (tandem/args.py), so benches and
+    # services that build an EngineConfig run the same backend
+    attention_backend: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None = ceil(max_total_tokens / block_size), or profiled (below)
     max_total_tokens: int = 65536  # KV capacity over all sequences when num_kv_blocks is None

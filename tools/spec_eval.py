@@ -67,6 +67,14 @@ class EngineBench:
         self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path}
         self.runner = ModelRunner(target_path, self.engine_config)
         self._proposers: dict[str, object] = {}
+        self.static_draft_step = cuda_graphs == "all"  # as tandem serve: one graph per Propose where it can
+
+    def state(self) -> dict:
+        """The backend and graph state this bench runs (printed with its results)."""
+        return {"attention_backend": type(self.runner.attn_backend).__name__,
+                "target_graphs": self.runner.graph_runner is not None,
+                "draft_graphs": not self.draft_engine_config.disable_cuda_graph,
+                "static_draft_step": self.static_draft_step and self.runner.device.type == "cuda"}
 
     def proposer(self, algorithm: str, num_draft_tokens: int):
         if algorithm == "NGRAM":
@@ -99,6 +107,13 @@ class EngineBench:
             proposer = self.proposer(method.algorithm, method.num_draft_tokens)
             capture = ({"feature_layers": proposer.target_capture_layers} if method.algorithm == "EAGLE3"
                        else {"final_norm_features": True})
+        if method.algorithm in ("EAGLE3", "EAGLE", "STANDALONE") and self.state()["static_draft_step"]:
+            from draft_service.proposer import SpecShape
+
+            spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
+            draft = self.proposer(method.algorithm, method.num_draft_tokens)
+            if spec not in draft._static_steps:
+                draft.enable_static_step(spec, max_bs=self.engine_config.cuda_graph_max_bs)
         engine = TargetEngine(self.runner, **capture)
         steps = tokens = 0
         _sync(self.runner.device)
@@ -253,7 +268,8 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
             r = hf_tokens_per_s(target, sp, max_new_tokens, eos_token_ids=eos, **kw)
             peers.append({"method": name, "tokens_per_s_b1": round(r["tokens_per_s"], 1)})
             log(f"{name}: {r['tokens_per_s']:.1f} tok/s at batch 1 (greedy)")
-    return {"device": device, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
+    return {"device": device, **bench.state(), "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "stop_at_eos": stop_at_eos,
             "speed_prompts": speed_prompts, "engine": rows, "hf": peers, "skipped": skipped}
 
 
@@ -264,7 +280,9 @@ def markdown(result: dict) -> str:
     upto = "up to " if result.get("stop_at_eos") else ""
     stop = " (stop at EOS)" if upto else ""
     lines = [f"Device: {result['device']}; {result['prompts']} held-out prompts, {upto}{result['max_new_tokens']} new "
-             f"tokens{stop}; tok/s over the first {result['speed_prompts']}.", "", "| " + " | ".join(columns) + " |",
+             f"tokens{stop}; tok/s over the first {result['speed_prompts']}. Ran: {result.get('attention_backend')}, "
+             f"target graphs {result.get('target_graphs')}, draft graphs {result.get('draft_graphs')}, static draft "
+             f"step {result.get('static_draft_step')}.", "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
     for r in result["engine"] + result["hf"]:
         tps = r.get("tokens_per_s_b1")
