@@ -73,7 +73,7 @@ class EngineBench:
         """The backend and graph state this bench runs (printed with its results)."""
         return {"attention_backend": type(self.runner.attn_backend).__name__,
                 "target_graphs": self.runner.graph_runner is not None,
-                "draft_graphs": not self.draft_engine_config.disable_cuda_graph,
+                "draft_graphs": not self.draft_engine_config.disable_cuda_graph and self.runner.device.type == "cuda",
                 "static_draft_step": self.static_draft_step and self.runner.device.type == "cuda"}
 
     def proposer(self, algorithm: str, num_draft_tokens: int):
