@@ -105,6 +105,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft step by step from the host (per-forward graphs, host-side tree building) instead of "
                         "one static device step per Propose (runtime/speculative/draft_step.py, one CUDA graph per "
                         "batch bucket; chosen by bench/results/gpu_step_h200); A/B benchmarks")
+    g.add_argument("--enable-static-verify-step", action="store_true",
+                   help="target: verify greedy batches of the served tree width as one static device step (forward, "
+                        "tree walk, KV compaction, feature gather in one CUDA graph per batch bucket, "
+                        "runtime/speculative/verify_step.py); off until an H200 benchmark chooses it")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,

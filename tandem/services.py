@@ -125,7 +125,9 @@ async def run_target(args: argparse.Namespace) -> None:
         runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
     else:
         runner = _build_runner(weights, engine_config)
-    server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
+    engine = TargetEngine(runner, **_feature_capture(args, runner))
+    _static_verify(engine, args)
+    server, port = await serve_target(engine, path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=_server_credentials(args))
     print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
@@ -186,6 +188,19 @@ def build_proposer(args: argparse.Namespace):
     if algorithm == "SYNTHETIC":
         return build_synthetic(args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
+
+
+def _static_verify(engine, args: argparse.Namespace) -> None:
+    """Verify greedy batches of the served tree width as one static device step (one CUDA graph per batch bucket:
+    forward, tree walk, KV compaction, feature gather) where the target runner can: a GPU, the triton backend,
+    graphs on, no TP. Opt-in (--enable-static-verify-step) until an H200 benchmark chooses it."""
+    ndt = getattr(args, "speculative_num_draft_tokens", None)
+    runner = engine.runner
+    if (not getattr(args, "enable_static_verify_step", False) or not ndt or ndt < 2 or runner.device.type != "cuda"
+            or getattr(args, "disable_cuda_graph", False) or runner.tp is not None):
+        return
+    if engine.enable_static_verify(ndt, max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):
+        logger.info("target: static verify step for trees of %d tokens", ndt)
 
 
 def _static_step(proposer, args: argparse.Namespace):

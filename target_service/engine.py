@@ -19,6 +19,7 @@ from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
+from runtime.speculative.verify_step import VerifyItem
 from target_service.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
@@ -107,6 +108,20 @@ class TargetEngine:
         self.last_forward_ms = 0.0
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
             runner.set_graph_capture_layers(self._capture)
+        self._static_verify = None  # runtime.speculative.verify_step.StaticVerifyStep, see enable_static_verify
+
+    def enable_static_verify(self, width: int, max_bs: int) -> bool:
+        """Verify greedy batches of trees of `width` tokens (root included) as one static device step
+        (runtime/speculative/verify_step.py: forward, tree walk, KV compaction and feature gather in one CUDA graph
+        per batch bucket on CUDA, eager elsewhere); everything else keeps the eager path. Needs the triton backend."""
+        if width < 2 or max_bs < 1 or not hasattr(self.runner.attn_backend, "use_static_metadata"):
+            return False
+        from runtime.speculative.verify_step import StaticVerifyStep
+
+        step = StaticVerifyStep(self.runner, width, max_bs, self._capture, self._final_norm)
+        step.capture()
+        self._static_verify = step
+        return True
 
     # ---------------------------------------------------------------- lifecycle
     def prefill(self, inputs: list[PrefillInput]) -> list[StepOutput]:
@@ -284,6 +299,8 @@ class TargetEngine:
             depths = [0] + [d + 1 for d in inp.tree.depths()]
             forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
                                              positions=[kv_len + d for d in depths], parents=parents, logits="all")))
+        if self._verify_static(forwards, outputs):
+            return outputs
         logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
                                          self._fast_greedy(inp for inp, _ in forwards))
         by_id = {o.seq_id: o for o in outputs}
@@ -302,6 +319,43 @@ class TargetEngine:
                 # The root and the accepted drafts now have KV; a stop may have cut the run short.
                 out.features = feats[kept_nodes[: len(out.token_ids)]]
         return outputs
+
+    def _verify_static(self, forwards: list[tuple[VerifyInput, SeqForward]], outputs: list[StepOutput]) -> bool:
+        """The batch through the static verify step when it can take all of it (greedy, no logprobs or penalties,
+        every tree `width` tokens, within its buckets); False = run the eager path."""
+        step = self._static_verify
+        if step is None or not forwards or len(forwards) > step.max_bs:
+            return False
+        if not self._fast_greedy(inp for inp, _ in forwards):
+            return False
+        bm = self.runner.block_manager
+        spans = {}
+        for inp, sf in forwards:
+            start = self.runner.kv_len(inp.seq_id)
+            spans[inp.seq_id] = start
+            if not step.fits(len(sf.token_ids), bm.blocks_for(start + step.width)):
+                return False
+        start_t = time.perf_counter()
+        try:
+            self.runner.reserve({seq_id: start + step.width for seq_id, start in spans.items()})
+        except OutOfKVBlocks:
+            return False  # the eager path reports it per sequence
+        items = []
+        for inp, sf in forwards:
+            start = spans[inp.seq_id]
+            items.append(VerifyItem(sf.token_ids, sf.parents, sf.positions, bm.slots(inp.seq_id, start, start + step.width),
+                                    start, bm.block_table(inp.seq_id)))
+        results = step.verify(items)
+        self.last_forward_ms = (time.perf_counter() - start_t) * 1e3
+        by_id = {o.seq_id: o for o in outputs}
+        for (inp, _), res in zip(forwards, results):
+            seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
+            self.runner.written(inp.seq_id, spans[inp.seq_id] + len(res.tokens))  # root + accepted drafts
+            out.num_accepted_drafts = len(res.accepted_nodes)
+            self._commit(out, seq, res.tokens)
+            if inp.return_features and res.features is not None:
+                out.features = res.features[: len(out.token_ids)]
+        return True
 
     def release(self, seq_ids: list[str]) -> int:
         released = 0

@@ -84,3 +84,38 @@ def test_static_draft_step_graphs_match_eager(algorithm, spec):
     assert list(outs_s[6].values()) == list(plain.values())  # and plain decoding's
     same = sum(a == b for a, b in zip(trees_s, trees_e))
     assert same >= 0.9 * len(trees_e), f"{same}/{len(trees_e)} trees equal"
+
+
+@pytest.mark.parametrize("algorithm,spec", [("EAGLE3", SpecShape(5, 4, 16)), ("STANDALONE", SpecShape(4, 2, 8))])
+def test_static_verify_graphs_match_eager(algorithm, spec):
+    """The static verify step's graphs (forward, tree walk, compaction, feature gather) with the static draft step:
+    the same greedy tokens as the eager target and plain decoding, batch 1 and 6."""
+    from target_service.engine import TargetEngine
+
+    prompts = _prompts(6)
+    method = Method("m", algorithm, spec.num_steps, spec.topk, spec.num_draft_tokens)
+    outs = {}
+    for static in (True, False):
+        target = ModelRunner(str(DEFAULT_MODEL), EngineConfig(
+            device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=32768, cuda_graph_max_bs=8,
+            cuda_graph_num_draft_tokens=spec.num_draft_tokens))
+        if algorithm == "EAGLE3":
+            proposer = EagleProposer(str(DEFAULT_MODEL), str(DEFAULT_EAGLE3), _config(spec), "EAGLE3")
+            engine = TargetEngine(target, feature_layers=proposer.target_capture_layers)
+        else:
+            proposer = StandaloneProposer(ModelRunner(str(DEFAULT_DRAFT), _config(spec)))
+            engine = TargetEngine(target)
+        assert proposer.enable_static_step(spec, max_bs=8)
+        if static:
+            assert engine.enable_static_verify(spec.num_draft_tokens, max_bs=8)
+            assert len(engine._static_verify.graphs) > 0
+        for batch in (1, 6):
+            committed: dict = {}
+            _generate(engine, proposer, method, prompts[:batch], 40, 0.0, 100 * batch, outputs=committed)
+            outs[(static, batch)] = list(committed.values())
+        if static:
+            assert engine._static_verify.num_replays > 0
+    plain: dict = {}
+    _generate(TargetEngine(target), None, Method("AR", "NONE"), prompts[:6], 40, 0.0, 600, outputs=plain)
+    assert outs[(True, 6)] == outs[(False, 6)] == list(plain.values())
+    assert outs[(True, 1)] == outs[(False, 1)]

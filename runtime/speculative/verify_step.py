@@ -1,0 +1,214 @@
+"""One greedy Verify as static-shape device code: the target forward over root + tree (tree masks built on the
+device from the parents), lm_head and argmax, the greedy tree walk (kernels.verify_greedy), the compaction of the
+accepted path's KV to contiguous positions, and the gather of the accepted tokens' target features (EAGLE drafts),
+all on the device. On CUDA each batch bucket is one CUDA graph captured at start-up, so a Verify is one host->device
+copy of the packed inputs, one replay and one device->host copy of (emitted tokens, accept lengths, features).
+
+The eager path (TargetEngine: ModelRunner.forward + acceptance + ModelRunner.compact) stays the reference and runs
+everything this does not take: sampling, penalties, logprobs, trees of another size, CPU. Owns no sequence state:
+the engine checks each sequence, reserves its KV and commits what comes back.
+
+Layout of sequence b (W = root + num_draft_tokens - 1 nodes, its tree region = KV indices [kv_b, kv_b + W)): rows
+[b*W, b*W + W) hold the root then the draft nodes in tree order; node i attends to the prefix [0, kv_b) and to its
+ancestors in the region (itself included).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyItem:
+    """What one sequence's static Verify needs: the W region tokens (root first), each node's region parent (-1 for
+    the root), RoPE positions, KV slots of the region, where the region starts, and the block table."""
+
+    token_ids: list[int]
+    parents: list[int]
+    positions: list[int]
+    slots: list[int]
+    start: int
+    block_table: list[int]
+
+
+@dataclass
+class VerifyResult:
+    tokens: list[int]  # emitted: accepted drafts then the bonus token
+    accepted_nodes: list[int]  # draft node indices (0-based, root excluded) of the accepted path
+    features: torch.Tensor | None  # (len(tokens), F) on the host: root + accepted drafts' target features
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """(b, W) region parents (-1 = none; parents precede children) -> (b, W, W) uint8, row i = i and its ancestors.
+    Pointer jumping: ceil(log2(W)) rounds of static-shape gathers."""
+    b, w = parents.shape
+    ids = torch.arange(w, device=parents.device).expand(b, w)
+    jump = torch.where(parents < 0, ids, parents)  # roots point at themselves
+    anc = torch.eye(w, dtype=torch.uint8, device=parents.device).expand(b, w, w).contiguous()
+    for _ in range(max(1, math.ceil(math.log2(max(w, 2))))):
+        anc = anc | anc.gather(1, jump.unsqueeze(-1).expand(b, w, w))
+        jump = jump.gather(1, jump)
+    return anc
+
+
+class StaticVerifyStep:
+    """Greedy Verify of trees of exactly `width` region nodes for one target ModelRunner (triton backend)."""
+
+    def __init__(self, runner, width: int, max_bs: int, capture_layers: list[int] | None = None,
+                 final_norm_features: bool = False) -> None:
+        from runtime.cuda_graph import capture_batch_sizes
+
+        self.runner, self.width = runner, width
+        self.capture_layers = list(capture_layers) if capture_layers else None
+        self.final_norm = final_norm_features
+        cfg, bm = runner.model_config, runner.block_manager
+        self.block_size = bm.block_size
+        max_context = min(cfg.max_position_embeddings + width, bm.num_blocks * bm.block_size)
+        self.max_blocks = -(-max_context // bm.block_size)
+        self.sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        # Packed int64 inputs per sequence: [ids (W), positions (W), slots (W), parents (W), start (1), table].
+        self.cols = 4 * width + 1 + self.max_blocks
+        self.inputs = torch.zeros(self.max_bs, self.cols, dtype=torch.int64, device=runner.device)
+        self.feature_dim = len(self.capture_layers) * cfg.hidden_size if self.capture_layers else 0
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.num_replays = 0
+        from runtime.cuda_graph import _tree_verifier
+
+        self._walk = _tree_verifier()
+        if self._walk is None:
+            from kernels.verify_greedy import verify_tree_greedy_ref
+
+            self._walk = verify_tree_greedy_ref
+
+    # ---- the static computation ----------------------------------------------------------------------------------
+    def run(self, num_seqs: int) -> torch.Tensor:
+        """Device code of one Verify of a bucket of sequences over the static inputs. Returns one uint8 buffer:
+        int64 (b, 2W + 1) [emitted tokens (-1 past the count), path region nodes (root first, -1 past it), accept
+        length], then the features (b, W, F) bytes."""
+        runner, model = self.runner, self.runner.model
+        backend, kv_pool = runner.attn_backend, runner.kv_pool
+        b, w = num_seqs, self.width
+        dev = self.inputs.device
+        x = self.inputs[:b]
+        ids, pos, slots, parents = x[:, :w], x[:, w:2 * w], x[:, 2 * w:3 * w], x[:, 3 * w:4 * w]
+        start = x[:, 4 * w].to(torch.int32)
+        tables = x[:, 4 * w + 1:].to(torch.int32)
+        backend.use_static_metadata(
+            slot_mapping=slots.reshape(-1), block_tables=tables,
+            query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * w, kv_lens=start + w,
+            prefix_lens=start, max_query_len=w, tree_mask=ancestor_mask(parents).reshape(b * w, w),
+            use_tree=torch.ones(b, dtype=torch.int32, device=dev))
+        out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, self.capture_layers)
+        argmax = model.compute_logits(out.hidden).argmax(dim=-1).view(b, w)
+        accept_index, emitted, accept_lens = self._walk(ids.contiguous(), parents.contiguous(), argmax)
+        accept_index, emitted, lens = accept_index.long(), emitted.long(), accept_lens.long()
+        # Compaction: region node accept_index[j] -> region index j, for the root's successors on the path.
+        j = torch.arange(w, device=dev).expand(b, w)
+        moves = (j >= 1) & (j < lens.unsqueeze(1)) & (accept_index != j)
+        src = torch.where(moves, slots.gather(1, accept_index.clamp(min=0)), torch.full_like(slots, -1))
+        self._compact(src.reshape(-1), slots.reshape(-1))
+        result = torch.cat([emitted, accept_index, lens.unsqueeze(1)], dim=1)  # (b, 2W + 1) int64
+        parts = [result.view(torch.uint8).reshape(-1)]
+        if self.capture_layers:
+            feats = out.aux_hidden
+            if self.final_norm:
+                feats = model.norm(feats)
+            rows = (torch.arange(b, device=dev).unsqueeze(1) * w + accept_index.clamp(min=0)).reshape(-1)
+            parts.append(feats[rows].contiguous().view(torch.uint8).reshape(-1))
+        return torch.cat(parts)
+
+    def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv = self.runner.kv_pool.kv
+        if kv.device.type == "cuda":
+            from kernels.compact_kv import compact_kv
+
+            compact_kv(kv, src, dst)
+        else:
+            from kernels.compact_kv import compact_kv_ref
+
+            compact_kv_ref(kv, src, dst)
+
+    # ---- capture / replay ----------------------------------------------------------------------------------------
+    def capture(self) -> None:
+        from runtime.models.llama import graph_capture_mode
+
+        if self.runner.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        with torch.inference_mode(), graph_capture_mode():
+            for bs in reversed(self.sizes):
+                self._pad_inputs(bs)
+                for _ in range(2):
+                    self.run(bs)
+                torch.cuda.synchronize(self.runner.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[bs] = self.run(bs)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.synchronize(self.runner.device)
+        logger.info("verify step (width %d): captured %d CUDA graphs (batch sizes %s) in %.1f s", self.width,
+                    len(self.graphs), self.sizes, time.perf_counter() - t0)
+
+    def _pad_inputs(self, bs: int) -> None:
+        """Padding sequences: a chain of W nodes over block 0 that writes no KV (slot -1) and moves nothing."""
+        w = self.width
+        self.inputs[:bs].zero_()
+        self.inputs[:bs, 2 * w:3 * w] = -1
+        self.inputs[:bs, 3 * w:4 * w] = torch.arange(-1, w - 1, device=self.inputs.device)
+
+    def fits(self, item_tokens: int, block_table_len: int) -> bool:
+        return item_tokens == self.width and block_table_len <= self.max_blocks
+
+    def verify(self, items: list[VerifyItem]) -> list[VerifyResult]:
+        """Greedy outcomes of these sequences (each `fits`, at most max_bs); the caller reserved the region's KV
+        ([0, start + W)) and sets each sequence's KV length to start + len(tokens) after."""
+        num = len(items)
+        bs = next((s for s in self.sizes if s >= num), None)
+        if bs is None:
+            raise ValueError(f"{num} sequences exceed the static verify step's {self.max_bs}")
+        w = self.width
+        host = torch.zeros(bs, self.cols, dtype=torch.int64)
+        host[:, 2 * w:3 * w] = -1
+        host[:, 3 * w:4 * w] = torch.arange(-1, w - 1)
+        for i, item in enumerate(items):
+            row = host[i]
+            row[:w] = torch.tensor(item.token_ids)
+            row[w:2 * w] = torch.tensor(item.positions)
+            row[2 * w:3 * w] = torch.tensor(item.slots)
+            row[3 * w:4 * w] = torch.tensor(item.parents)
+            row[4 * w] = item.start
+            row[4 * w + 1:4 * w + 1 + len(item.block_table)] = torch.tensor(item.block_table)
+        on_cuda = self.inputs.device.type == "cuda"
+        self.inputs[:bs].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            packed = self.outputs[bs]
+        else:
+            with torch.inference_mode():
+                packed = self.run(bs)
+        self.num_replays += 1
+        data = packed.cpu()  # the one device->host copy of a Verify
+        head = bs * (2 * w + 1) * 8
+        result = data[:head].view(torch.int64).view(bs, 2 * w + 1).tolist()
+        feats = None
+        if self.capture_layers:
+            dtype = self.runner.dtype
+            feats = data[head:].view(dtype).view(bs, w, self.feature_dim)
+        out = []
+        for i in range(num):
+            count = result[i][2 * w]
+            path = result[i][w + 1:w + count]  # region nodes after the root
+            out.append(VerifyResult(result[i][:count], [node - 1 for node in path],
+                                    feats[i, :count].clone() if feats is not None else None))
+        return out
