@@ -38,6 +38,9 @@ CONFIGS = {
     "STANDALONE 3/1/4": ["--speculative-algorithm", "STANDALONE"],
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
 }
+# The target's static verify step (opt-in) beside the default.
+CONFIGS.update({f"{name} static-verify": [*flags, "--enable-static-verify-step"] for name, flags in list(CONFIGS.items())
+                if flags})
 # The same shapes drafting step by step from the host (the pre-static-step path), for the A/B in one run.
 CONFIGS.update({f"{name} eager": [*flags, "--disable-static-draft-step"] for name, flags in list(CONFIGS.items())
                 if flags and "NGRAM" not in flags})
@@ -110,7 +113,7 @@ class Probe:
 
 def run_config(name: str, flags: list[str], device: str, prompts: list[list[int]], new_tokens: int,
                extra: list[str]) -> tuple[dict, str]:
-    from tandem.services import _build_runner, _engine_config, _feature_capture, build_proposer
+    from tandem.services import _build_runner, _engine_config, _feature_capture, _static_verify, build_proposer
     from target_service.engine import TargetEngine
 
     args = build_parser().parse_args(["serve", "--device", device, *flags, *extra])
@@ -120,11 +123,13 @@ def run_config(name: str, flags: list[str], device: str, prompts: list[list[int]
     t0 = time.perf_counter()
     runner = _build_runner(str(args.model_path or DEFAULT_MODEL), _engine_config(args, target=True))
     engine = TargetEngine(runner, **_feature_capture(args, runner))
+    _static_verify(engine, args)
     proposer = build_proposer(args)[0] if algorithm != "NONE" else None
     build_s = time.perf_counter() - t0
     dev = runner.device
     kernels = dev.type == "cuda"
     state = {"target_backend": type(runner.attn_backend).__name__, "target_graphs": runner.graph_runner is not None,
+             "static_verify": engine._static_verify is not None,
              "build_s": round(build_s, 1)}
     if proposer is not None and getattr(proposer, "runner", None) is not None:
         dr = proposer.runner
