@@ -210,7 +210,8 @@ wait_healthy() {
         if [ "$(echo "$states" | grep -c ' running healthy$')" = "$want" ] && [ "$(echo "$states" | grep -c .)" = "$want" ]; then
             return 0
         fi
-        if echo "$states" | grep -q ' exited \| dead \| unhealthy$'; then echo "$states"; return 1; fi
+        # a crash loop (restart: unless-stopped) or a dead container fails now, not at the deadline
+        if echo "$states" | grep -q ' exited \| dead \| restarting \| unhealthy$'; then echo "$states"; return 1; fi
         if [ "$(date +%s)" -ge "$deadline" ]; then echo "$states"; return 1; fi
         sleep 1
     done
