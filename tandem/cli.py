@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import signal
+
+    from tandem.services import _exit_on_sigterm
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # first thing: as a container's PID 1 see services.main_async
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "envoy-config":

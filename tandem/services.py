@@ -430,9 +430,17 @@ def _addresses(value: str | None) -> list[str]:
     return [a.strip() for a in (value or "").split(",") if a.strip()]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main_async(fn, args: argparse.Namespace) -> None:
     from tandem.observability import setup_logging
 
+    # As PID 1 of a container the kernel drops any signal that has no handler, so until _serve_until_signal (or
+    # uvicorn) installs its own, while weights load, `docker stop` / a pod deletion would wait out the grace period
+    # and SIGKILL. Exit like an ordinary process meanwhile (status 143).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     setup_logging(args.log_level, args.log_format)
     try:
         asyncio.run(fn(args))

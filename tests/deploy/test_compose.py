@@ -19,6 +19,8 @@ from tests.deploy.conftest import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILE = REPO_ROOT / "deploy" / "docker" / "Dockerfile"
+GPU_OVERRIDE = REPO_ROOT / "docker-compose.override.yml"
+CPU_OVERRIDE = REPO_ROOT / "deploy" / "docker" / "compose.cpu.yml"
 SCALED = ("target", "draft", "gateway")
 COMPOSE_SPEC_SCHEMA = Path("/usr/lib/python3/dist-packages/compose/config/compose_spec.json")
 
@@ -91,7 +93,12 @@ def test_scaled_services_have_no_fixed_names_or_host_ports(compose):
 @pytest.mark.parametrize("name", ["target", "draft"])
 def test_model_services_reserve_a_gpu_and_mount_models(compose, name):
     service = compose["services"][name]
-    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    # The reservation is in docker-compose.override.yml (Compose adds it when no -f is given), so that the CPU
+    # variant, which names its files, can leave it out: an override cannot delete a device reservation.
+    assert "deploy" not in service
+    override = yaml.safe_load(GPU_OVERRIDE.read_text())
+    assert set(override["services"]) == {"target", "draft"}
+    devices = override["services"][name]["deploy"]["resources"]["reservations"]["devices"]
     assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert not any("count" in d and "device_ids" in d for d in devices)  # mutually exclusive in Compose
     assert any(v.endswith(":/models:ro") for v in service["volumes"])
@@ -139,3 +146,46 @@ def test_dockerfile_has_base_image_args_and_tandem_entrypoint():
     gpu_build = yaml.safe_load(COMPOSE_FILE.read_text())["x-tandem-gpu-image"]["build"]
     assert gpu_build["dockerfile"] == "deploy/docker/Dockerfile"
     assert gpu_build["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+
+
+def _compose_config(*files: Path, env: dict | None = None) -> dict:
+    cmd = ["docker-compose"] + [f"-f{f}" for f in files] + ["config"]
+    result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", **(env or {})})
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_default_files_reserve_gpus_and_the_cpu_variant_does_not():
+    gpu = _compose_config(COMPOSE_FILE, GPU_OVERRIDE)  # what `docker compose up` reads (no -f)
+    for name in ("target", "draft"):
+        assert gpu["services"][name]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+        assert gpu["services"][name]["image"] == "tandem:cuda"
+    env = {"TANDEM_BASE_IMAGE": "tandem-base:bookworm", "TANDEM_WHEELHOUSE": ".wheelhouse"}
+    cpu = _compose_config(COMPOSE_FILE, CPU_OVERRIDE, env=env)
+    parser = build_parser()
+    builds = []
+    for name, service in cpu["services"].items():
+        assert "deploy" not in service, name
+        assert service["image"] == "tandem:slim", name
+        builds.append(service["build"])
+        if name in ("target", "draft"):
+            args = parser.parse_args(service["command"])
+            assert args.device == "cpu" and args.model_path == "/models/tandem-demo-code"
+            assert args.service_host == "0.0.0.0" and str(args.service_port) in service["expose"]
+    # one image, so every service must build it identically (else the last build would win the tag)
+    assert all(b == builds[0] for b in builds)
+    assert builds[0]["args"]["BASE_IMAGE"] == "tandem-base:bookworm"
+    assert builds[0]["args"]["WHEELHOUSE"] == ".wheelhouse"
+    assert builds[0]["dockerfile"] == "deploy/docker/Dockerfile"
+
+
+def test_dockerfile_builds_offline_from_a_wheelhouse():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG WHEELHOUSE=$", text, re.M)
+    assert "PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheelhouse" in text
+    assert "--no-index -e ." in text  # the project itself installs without an index either way
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored and ".wheelhouse" not in ignored
+    assert ".wheelhouse/" in (REPO_ROOT / ".gitignore").read_text().split()
