@@ -124,20 +124,15 @@ class EagleProposer(Proposer):
         step = self._static_step_for(inputs)
         if step is None:
             return None
-        bm, shape = self.runner.block_manager, step.shape
-        plans = []
-        for inp in inputs:
-            first = min(self.runner.kv_len(inp.seq_id), inp.committed_len - 2)
-            total = inp.committed_len - 1 + shape.num_steps * shape.topk
-            if not 1 <= inp.committed_len - 1 - first <= shape.catch_up or bm.blocks_for(total) > step.max_blocks:
-                return None
+        # The catch-up re-runs at least the root's position C-2 (its output starts the tree): KV [first, C-1).
+        plans = [(inp, min(self.runner.kv_len(inp.seq_id), inp.committed_len - 2), inp.committed_len - 1)
+                 for inp in inputs]
+        for inp, first, _ in plans:
             if first < self._feat_start[inp.seq_id]:
                 raise RuntimeError(f"seq {inp.seq_id!r}: the feature of position {first} was dropped")
-            plans.append((inp, first, total))
-        for inp, first, _ in plans:
-            if first < self.runner.kv_len(inp.seq_id):
-                self.runner.truncate(inp.seq_id, first)
-        self.runner.reserve({inp.seq_id: total for inp, _, total in plans})
+        if not self._reserve_static(step, plans):
+            return None
+        bm = self.runner.block_manager
         items = []
         for inp, first, _ in plans:
             seq_id, end = inp.seq_id, inp.committed_len - 1

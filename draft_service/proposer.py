@@ -81,6 +81,21 @@ class Proposer(abc.ABC):
         self._static_steps[spec] = step
         return True
 
+    def _reserve_static(self, step, plans: list[tuple[ProposeInput, int, int]]) -> bool:
+        """plans: (input, start, end): the static step's catch-up writes draft KV [start, end), its tree nodes follow.
+        Unless every span fits the step (False, nothing changed): rolls each sequence's KV back to start and reserves
+        [0, end + num_steps * topk)."""
+        shape, bm = step.shape, self.runner.block_manager
+        scratch = shape.num_steps * shape.topk
+        for _, start, end in plans:
+            if not 1 <= end - start <= shape.catch_up or bm.blocks_for(end + scratch) > step.max_blocks:
+                return False
+        for inp, start, _ in plans:
+            if start < self.runner.kv_len(inp.seq_id):
+                self.runner.truncate(inp.seq_id, start)
+        self.runner.reserve({inp.seq_id: end + scratch for inp, _, end in plans})
+        return True
+
     def _static_step_for(self, inputs: list[ProposeInput]):
         """The static step that can run this whole batch (one shape, within its largest bucket), or None."""
         if not inputs or not self._static_steps:

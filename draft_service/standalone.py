@@ -65,18 +65,12 @@ class StandaloneProposer(Proposer):
         step = self._static_step_for(inputs)
         if step is None:
             return None
-        bm, shape = self.runner.block_manager, step.shape
-        plans = []
-        for inp in inputs:
-            start = min(self.runner.kv_len(inp.seq_id), inp.committed_len - 1)  # the last token is always re-run
-            total = inp.committed_len + shape.num_steps * shape.topk
-            if not 1 <= inp.committed_len - start <= shape.catch_up or bm.blocks_for(total) > step.max_blocks:
-                return None
-            plans.append((inp, start, total))
-        for inp, start, _ in plans:
-            if start < self.runner.kv_len(inp.seq_id):
-                self.runner.truncate(inp.seq_id, start)
-        self.runner.reserve({inp.seq_id: total for inp, _, total in plans})
+        # The last committed token is always re-run (its logits start the tree): KV [start, C).
+        plans = [(inp, min(self.runner.kv_len(inp.seq_id), inp.committed_len - 1), inp.committed_len)
+                 for inp in inputs]
+        if not self._reserve_static(step, plans):
+            return None
+        bm = self.runner.block_manager
         items = [CatchUp(self._tokens[inp.seq_id][start:inp.committed_len], start,
                          bm.slots(inp.seq_id, start, inp.committed_len), bm.block_table(inp.seq_id))
                  for inp, start, _ in plans]

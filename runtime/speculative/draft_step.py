@@ -17,15 +17,12 @@ Layout of one sequence b (Q = catch-up width, k = topk, S = num_steps, R_b = KV 
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
+from runtime.speculative.static_step import StaticStep
 from runtime.speculative.tree import ROOT, BeamTreeBuilder, DraftTree
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,34 +74,20 @@ def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torc
     return torch.where(valid, node_tokens, minus), torch.where(valid, parent_node, minus), count
 
 
-class StaticDraftStep:
+class StaticDraftStep(StaticStep):
     """The static Propose of one draft ModelRunner (triton attention backend) for one StepShape, eager on CPU and
     one CUDA graph per batch bucket on CUDA."""
 
     def __init__(self, runner, shape: StepShape, max_bs: int, feature_head: bool) -> None:
-        from runtime.cuda_graph import capture_batch_sizes
-
-        self.runner, self.shape, self.feature_head = runner, shape, feature_head
-        model, bm, dev = runner.model, runner.block_manager, runner.device
-        self.block_size = bm.block_size
         s, k, q = shape.num_steps, shape.topk, shape.catch_up
-        cfg = runner.model_config
-        max_context = min(cfg.max_position_embeddings + q + s * k, bm.num_blocks * bm.block_size)
-        self.max_blocks = -(-max_context // bm.block_size)
-        self.sizes = capture_batch_sizes(max_bs)
-        self.max_bs = self.sizes[-1]
-        nb = self.max_bs
         # Packed int64 inputs, one host->device copy per Propose: per sequence [ids (Q), positions (Q), slots (Q),
         # start (1), kv_after (1), block table (max_blocks)].
-        self.width = 3 * q + 2 + self.max_blocks
-        self.inputs = torch.zeros(nb, self.width, dtype=torch.int64, device=dev)
+        super().__init__(runner, max_bs, extra_tokens=q + s * k, cols_before_table=3 * q + 2)
+        self.shape, self.feature_head = shape, feature_head
         self.features = None
         if feature_head:
-            self.features = torch.zeros(nb * q, model.feature_size, dtype=runner.dtype, device=dev)
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> (b, 2M + 1) int64 result of the last run
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.num_replays = 0
+            self.features = torch.zeros(self.max_bs * q, runner.model.feature_size, dtype=runner.dtype,
+                                        device=runner.device)
 
     # ---- the static computation ----------------------------------------------------------------------------------
     def run(self, num_seqs: int) -> torch.Tensor:
@@ -117,7 +100,7 @@ class StaticDraftStep:
         x = self.inputs[:b]
         ids, pos, slots = x[:, :q], x[:, q:2 * q], x[:, 2 * q:3 * q]
         start, kv_after = x[:, 3 * q], x[:, 3 * q + 1]
-        tables = x[:, 3 * q + 2:].to(torch.int32)
+        tables = x[:, self.table_col:].to(torch.int32)
         kv_after32 = kv_after.to(torch.int32)
         # Catch-up: causal chain appends, left-padded (kv_len - Q + i is each row's last visible key).
         backend.use_static_metadata(
@@ -174,39 +157,18 @@ class StaticDraftStep:
 
     # ---- capture / replay ----------------------------------------------------------------------------------------
     def capture(self) -> None:
-        """One CUDA graph per batch bucket (largest first, sharing one memory pool); eager on CPU."""
-        from runtime.models.llama import graph_capture_mode
+        super().capture(f"draft step {self.shape}")
 
-        if self.runner.device.type != "cuda":
-            return
-        t0 = time.perf_counter()
-        with torch.inference_mode(), graph_capture_mode():
-            for bs in reversed(self.sizes):
-                self._pad_inputs(bs)
-                for _ in range(2):  # warm-up outside the capture: Triton JIT, cuBLAS heuristics
-                    self.run(bs)
-                torch.cuda.synchronize(self.runner.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[bs] = self.run(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
-        logger.info("draft step %s: captured %d CUDA graphs (batch sizes %s) in %.1f s", self.shape,
-                    len(self.graphs), self.sizes, time.perf_counter() - t0)
+    def _pad_host(self, host: torch.Tensor) -> None:
+        """Padding sequences: no KV writes (slot -1), one visible key of block 0."""
+        q = self.shape.catch_up
+        host[:, 2 * q:3 * q] = -1
+        host[:, 3 * q + 1] = 1
 
     def _pad_inputs(self, bs: int) -> None:
-        """Padding sequences: no KV writes (slot -1), one visible key of block 0, finite features."""
-        q = self.shape.catch_up
-        self.inputs[:bs].zero_()
-        self.inputs[:bs, 2 * q:3 * q] = -1
-        self.inputs[:bs, 3 * q + 1] = 1
+        super()._pad_inputs(bs)
         if self.features is not None:
-            self.features[:bs * q].zero_()
-
-    def bucket_for(self, num_seqs: int) -> int | None:
-        return next((s for s in self.sizes if s >= num_seqs), None)
+            self.features[:bs * self.shape.catch_up].zero_()  # finite features
 
     def fits(self, item: CatchUp) -> bool:
         return 1 <= len(item.token_ids) <= self.shape.catch_up and len(item.block_table) <= self.max_blocks
@@ -216,39 +178,28 @@ class StaticDraftStep:
         catch-up token and every tree node ([0, start + n + num_steps * topk)) and commits the catch-up after."""
         num = len(items)
         bs = self.bucket_for(num)
-        if bs is None:
-            raise ValueError(f"{num} sequences exceed the static draft step's {self.max_bs}")
         q = self.shape.catch_up
-        host = torch.zeros(bs, self.width, dtype=torch.int64)
-        host[:, 2 * q:3 * q] = -1
-        host[num:, 3 * q + 1] = 1
+        host = self.new_host_rows(bs)
         feats = []
         for i, item in enumerate(items):
             n = len(item.token_ids)
             pad = q - n
-            host[i, pad:q] = torch.tensor(item.token_ids)
-            host[i, q + pad:2 * q] = torch.arange(item.start, item.start + n)
-            host[i, 2 * q + pad:3 * q] = torch.tensor(item.slots)
-            host[i, 3 * q] = item.start
-            host[i, 3 * q + 1] = item.start + n
-            host[i, 3 * q + 2:3 * q + 2 + len(item.block_table)] = torch.tensor(item.block_table)
+            row = host[i]
+            row[pad:q] = torch.tensor(item.token_ids)
+            row[q + pad:2 * q] = torch.arange(item.start, item.start + n)
+            row[2 * q + pad:3 * q] = torch.tensor(item.slots)
+            row[3 * q] = item.start
+            row[3 * q + 1] = item.start + n
+            self.put_table(row, item.block_table)
             if self.feature_head:
                 feats.append((pad, item.features))
-        on_cuda = self.inputs.device.type == "cuda"
-        self.inputs[:bs].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
         if self.feature_head:
+            on_cuda = self.features.device.type == "cuda"
             f = self.features[:bs * q].view(bs, q, -1)
             f.zero_()
             for i, (pad, rows) in enumerate(feats):
                 f[i, pad:].copy_(rows, non_blocking=on_cuda)
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            result = self.outputs[bs]
-        else:  # CPU (and buckets without a graph): the same device code, eager
-            with torch.inference_mode():
-                result = self.run(bs)
-        self.num_replays += 1
-        rows = result[:num].tolist()  # the one device->host copy of a Propose
+        rows = self.execute(host)[:num].tolist()  # the one device->host copy of a Propose
         m = self.shape.num_draft_tokens - 1
         trees = []
         for row in rows:

@@ -14,14 +14,12 @@ ancestors in the region (itself included).
 """
 from __future__ import annotations
 
-import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from runtime.speculative.static_step import StaticStep
 
 
 @dataclass
@@ -57,30 +55,17 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-class StaticVerifyStep:
+class StaticVerifyStep(StaticStep):
     """Greedy Verify of trees of exactly `width` region nodes for one target ModelRunner (triton backend)."""
 
     def __init__(self, runner, width: int, max_bs: int, capture_layers: list[int] | None = None,
                  final_norm_features: bool = False) -> None:
-        from runtime.cuda_graph import capture_batch_sizes
-
-        self.runner, self.width = runner, width
+        # Packed int64 inputs per sequence: [ids (W), positions (W), slots (W), parents (W), start (1), table].
+        super().__init__(runner, max_bs, extra_tokens=width, cols_before_table=4 * width + 1)
+        self.width = width
         self.capture_layers = list(capture_layers) if capture_layers else None
         self.final_norm = final_norm_features
-        cfg, bm = runner.model_config, runner.block_manager
-        self.block_size = bm.block_size
-        max_context = min(cfg.max_position_embeddings + width, bm.num_blocks * bm.block_size)
-        self.max_blocks = -(-max_context // bm.block_size)
-        self.sizes = capture_batch_sizes(max_bs)
-        self.max_bs = self.sizes[-1]
-        # Packed int64 inputs per sequence: [ids (W), positions (W), slots (W), parents (W), start (1), table].
-        self.cols = 4 * width + 1 + self.max_blocks
-        self.inputs = torch.zeros(self.max_bs, self.cols, dtype=torch.int64, device=runner.device)
-        self.feature_dim = len(self.capture_layers) * cfg.hidden_size if self.capture_layers else 0
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.num_replays = 0
+        self.feature_dim = len(self.capture_layers) * runner.model_config.hidden_size if self.capture_layers else 0
         from runtime.cuda_graph import _tree_verifier
 
         self._walk = _tree_verifier()
@@ -101,7 +86,7 @@ class StaticVerifyStep:
         x = self.inputs[:b]
         ids, pos, slots, parents = x[:, :w], x[:, w:2 * w], x[:, 2 * w:3 * w], x[:, 3 * w:4 * w]
         start = x[:, 4 * w].to(torch.int32)
-        tables = x[:, 4 * w + 1:].to(torch.int32)
+        tables = x[:, self.table_col:].to(torch.int32)
         backend.use_static_metadata(
             slot_mapping=slots.reshape(-1), block_tables=tables,
             query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * w, kv_lens=start + w,
@@ -139,33 +124,13 @@ class StaticVerifyStep:
 
     # ---- capture / replay ----------------------------------------------------------------------------------------
     def capture(self) -> None:
-        from runtime.models.llama import graph_capture_mode
+        super().capture(f"verify step (width {self.width})")
 
-        if self.runner.device.type != "cuda":
-            return
-        t0 = time.perf_counter()
-        with torch.inference_mode(), graph_capture_mode():
-            for bs in reversed(self.sizes):
-                self._pad_inputs(bs)
-                for _ in range(2):
-                    self.run(bs)
-                torch.cuda.synchronize(self.runner.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[bs] = self.run(bs)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = graph
-        torch.cuda.synchronize(self.runner.device)
-        logger.info("verify step (width %d): captured %d CUDA graphs (batch sizes %s) in %.1f s", self.width,
-                    len(self.graphs), self.sizes, time.perf_counter() - t0)
-
-    def _pad_inputs(self, bs: int) -> None:
+    def _pad_host(self, host: torch.Tensor) -> None:
         """Padding sequences: a chain of W nodes over block 0 that writes no KV (slot -1) and moves nothing."""
         w = self.width
-        self.inputs[:bs].zero_()
-        self.inputs[:bs, 2 * w:3 * w] = -1
-        self.inputs[:bs, 3 * w:4 * w] = torch.arange(-1, w - 1, device=self.inputs.device)
+        host[:, 2 * w:3 * w] = -1
+        host[:, 3 * w:4 * w] = torch.arange(-1, w - 1)
 
     def fits(self, item_tokens: int, block_table_len: int) -> bool:
         return item_tokens == self.width and block_table_len <= self.max_blocks
@@ -174,13 +139,9 @@ class StaticVerifyStep:
         """Greedy outcomes of these sequences (each `fits`, at most max_bs); the caller reserved the region's KV
         ([0, start + W)) and sets each sequence's KV length to start + len(tokens) after."""
         num = len(items)
-        bs = next((s for s in self.sizes if s >= num), None)
-        if bs is None:
-            raise ValueError(f"{num} sequences exceed the static verify step's {self.max_bs}")
+        bs = self.bucket_for(num)
         w = self.width
-        host = torch.zeros(bs, self.cols, dtype=torch.int64)
-        host[:, 2 * w:3 * w] = -1
-        host[:, 3 * w:4 * w] = torch.arange(-1, w - 1)
+        host = self.new_host_rows(bs)
         for i, item in enumerate(items):
             row = host[i]
             row[:w] = torch.tensor(item.token_ids)
@@ -188,23 +149,13 @@ class StaticVerifyStep:
             row[2 * w:3 * w] = torch.tensor(item.slots)
             row[3 * w:4 * w] = torch.tensor(item.parents)
             row[4 * w] = item.start
-            row[4 * w + 1:4 * w + 1 + len(item.block_table)] = torch.tensor(item.block_table)
-        on_cuda = self.inputs.device.type == "cuda"
-        self.inputs[:bs].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
-        if bs in self.graphs:
-            self.graphs[bs].replay()
-            packed = self.outputs[bs]
-        else:
-            with torch.inference_mode():
-                packed = self.run(bs)
-        self.num_replays += 1
-        data = packed.cpu()  # the one device->host copy of a Verify
+            self.put_table(row, item.block_table)
+        data = self.execute(host).cpu()  # the one device->host copy of a Verify
         head = bs * (2 * w + 1) * 8
         result = data[:head].view(torch.int64).view(bs, 2 * w + 1).tolist()
         feats = None
         if self.capture_layers:
-            dtype = self.runner.dtype
-            feats = data[head:].view(dtype).view(bs, w, self.feature_dim)
+            feats = data[head:].view(self.runner.dtype).view(bs, w, self.feature_dim)
         out = []
         for i in range(num):
             count = result[i][2 * w]
