@@ -2,8 +2,9 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: all, in order).
+# Stages: step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
+# their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,11 +16,20 @@ fi
 OUT=${OUT:-/tmp/out}; R=/tmp/gpu_session; mkdir -p "$R" "$OUT"; T0=$(date +%s)
 stage() { echo "=== $1 at $(( $(date +%s) - T0 ))s"; }
 fin() { tar czf "$OUT/results.tgz" -C "$R" . ; }
-STAGES="${*:-tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix}"
+STAGES="${*:-step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix}"
 M=models/tandem-demo-code
 for s in $STAGES; do
   stage "$s"
   case $s in
+    step)  # static draft + verify steps: graphs == eager == plain decoding, then where a step's time goes now
+      timeout -s INT 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_draft_step_gpu.py \
+        > "$R/step_tests.log" 2>&1
+      tail -3 "$R/step_tests.log"
+      timeout 300 python3 bench/profile_serve_step.py --device cuda --prompts 1 --new-tokens 128 --configs NONE \
+        "EAGLE3 5/4/16" "EAGLE3 5/4/16 static-verify" "EAGLE3 5/4/16 eager" "STANDALONE 3/1/4" \
+        "STANDALONE 3/1/4 static-verify" NGRAM --out-dir "$R/profile_serve_step" -- --cuda-graph-max-bs 8 \
+        > "$R/profile_serve_step.log" 2>&1
+      cat "$R/profile_serve_step/profile_serve_step.md" 2>/dev/null || tail -20 "$R/profile_serve_step.log" ;;
     tests)  # correctness first: kernels, graphs, fused kernels, lossless through the step path on CUDA
       timeout -s INT 240 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \
         --ignore=tests/gpu/test_flashinfer_backend_gpu.py > "$R/gpu_tests.log" 2>&1
@@ -55,8 +65,9 @@ for s in $STAGES; do
         --out "$R/spec_eval_chat_h200.json" > "$R/spec_eval_chat.log" 2>&1
       cat "$R/spec_eval_chat_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval_chat.log" ;;
     accept)  # the same family through the services (three processes, gRPC Generate)
-      timeout 240 python3 bench/accept.py --num-prompts 5 --max-new-tokens 64 --hf-peers cuda --configs AR EAGLE3-tree EAGLE-tree \
-        STANDALONE-tree NGRAM --out "$R/accept_h200.json" -- --device cuda --cuda-graph-max-bs 4 > "$R/accept.log" 2>&1
+      timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --hf-peers cuda --configs AR EAGLE3-tree \
+        EAGLE3-auto STANDALONE-chain NGRAM-auto EAGLE3-tree-eager --out "$R/accept_h200.json" -- --device cuda \
+        --cuda-graph-max-bs 8 > "$R/accept.log" 2>&1
       tail -8 "$R/accept.log" ;;
     flashinfer)
       timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
