@@ -200,7 +200,8 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
     engine = TargetEngine(runner)
     head = None
     if args.head_hidden != 0:
-        # Eager by default, as the EAGLE proposers run; --draft-cuda-graph lets the head's runner capture graphs.
+        # The served shape drafts through the static step (one CUDA graph per Propose, as tandem serve's EAGLE-3 does);
+        # other shapes step eagerly unless --draft-cuda-graph lets the head's runner capture per-forward graphs.
         head_config = dataclasses.replace(engine_config, num_kv_blocks=blocks, cuda_graph_num_draft_tokens=None,
                                           disable_cuda_graph=not args.draft_cuda_graph or args.disable_cuda_graph)
         head = SyntheticHead(cfg, head_config, args.head_hidden or None, args.draft_vocab)
@@ -218,6 +219,9 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
     for config in sorted(configs, key=lambda c: c.ndt):  # one graph capture per verify width
         recapture(runner, config.ndt)
         spec = SpecShape(config.steps, config.topk, config.ndt)
+        if (head is not None and runner.device.type == "cuda" and not args.disable_cuda_graph
+                and not args.disable_static_draft_step):
+            head.enable_static_step(spec, max_bs=max(args.batch_sizes))  # as tandem serve: one graph per Propose
         rate = config.rate(args.accept_rate)
         for bs in args.batch_sizes:
             prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed)
@@ -319,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-backend", default=None, help="default: triton on CUDA, torch on CPU")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run the target (and head) eagerly")
     p.add_argument("--draft-cuda-graph", action="store_true", help="let the synthetic head's runner capture graphs")
+    p.add_argument("--disable-static-draft-step", action="store_true",
+                   help="draft step by step from the host instead of one static graph per Propose (A/B)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--configs", type=SpecConfig.parse, nargs="+", default=None,
                    help="STEPS/TOPK/NDT@TAU each (default: 5/1/6@3.5 8/8/60@6)")

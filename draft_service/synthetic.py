@@ -171,6 +171,22 @@ class SyntheticHead:
         self.feature_size = self.model.feature_size
         self.draft_vocab_size = options.draft_vocab_size
         self.max_context_len = config.max_position_embeddings
+        self._static: dict[SpecShape, object] = {}  # runtime.speculative.draft_step.StaticDraftStep per shape
+
+    def enable_static_step(self, spec: SpecShape, max_bs: int) -> bool:
+        """Spend this shape's compute as EAGLE-3's static draft step does (one CUDA graph per Propose on CUDA)."""
+        if spec in self._static:
+            return True
+        if not hasattr(self.runner.attn_backend, "use_static_metadata") or spec.num_draft_tokens < 2:
+            return False
+        from runtime.speculative.draft_step import StaticDraftStep, StepShape
+
+        ndt = min(spec.num_draft_tokens, 1 + spec.topk + (spec.num_steps - 1) * spec.topk ** 2)
+        step = StaticDraftStep(self.runner, StepShape(spec.num_steps, spec.topk, max(ndt, 2), spec.num_steps + 1),
+                               max_bs, feature_head=True)
+        step.capture()
+        self._static[spec] = step
+        return True
 
     def release(self, seq_id: str) -> None:
         if self.runner.has_seq(seq_id):
@@ -183,7 +199,7 @@ class SyntheticHead:
 
         runner = self.runner
         fits = [(s, toks, spec) for s, toks, spec in items if self._fits(s, len(toks), spec)]
-        if not fits:
+        if not fits or self._run_static(fits):
             return
         forwards = []
         for seq_id, tokens, _ in fits:
@@ -204,6 +220,36 @@ class SyntheticHead:
                          torch.stack([out.hidden[i][-1] for i in idx]))
         for seq_id, tokens, _ in fits:
             runner.truncate(seq_id, len(tokens) - 1)
+
+    def _run_static(self, fits: list[tuple[str, list[int], SpecShape]]) -> bool:
+        """The batch through the static draft step of its shape (EAGLE-3's work as one graph), if one was enabled and
+        every catch-up fits it; False = run eagerly."""
+        from runtime.speculative.draft_step import CatchUp
+
+        spec = fits[0][2]
+        step = self._static.get(spec)
+        if step is None or len(fits) > step.max_bs or any(f[2] != spec for f in fits):
+            return False
+        runner, bm, shape = self.runner, self.runner.block_manager, step.shape
+        plans = []
+        for seq_id, tokens, _ in fits:
+            if not runner.has_seq(seq_id):
+                runner.add_seq(seq_id)
+            first = min(runner.kv_len(seq_id), len(tokens) - 2)
+            end = len(tokens) - 1
+            if not 1 <= end - first <= shape.catch_up or (
+                    bm.blocks_for(end + shape.num_steps * shape.topk) > step.max_blocks):
+                return False
+            plans.append((seq_id, tokens, first, end))
+        for seq_id, _, first, _ in plans:
+            runner.truncate(seq_id, first)
+        runner.reserve({seq_id: end + shape.num_steps * shape.topk for seq_id, _, _, end in plans})
+        feats = torch.full((shape.catch_up, self.feature_size), 0.01, device=runner.device, dtype=runner.dtype)
+        step.propose([CatchUp(tokens[first + 1:end + 1], first, bm.slots(seq_id, first, end), bm.block_table(seq_id),
+                              feats[:end - first]) for seq_id, tokens, first, end in plans])  # trees discarded
+        for seq_id, _, _, end in plans:
+            runner.written(seq_id, end)
+        return True
 
     def _fits(self, seq_id: str, committed_len: int, spec: SpecShape) -> bool:
         if committed_len < 2 or spec.num_steps < 1 or committed_len - 1 + spec.num_steps > self.max_context_len:
@@ -303,6 +349,9 @@ class SyntheticProposer(Proposer):
     def _on_rollback(self, seq_id: str, kept_len: int) -> None:
         state = self._seq[seq_id]
         state.checked = min(state.checked, kept_len)
+
+    def enable_static_step(self, spec: SpecShape, max_bs: int) -> bool:
+        return self.head is not None and self.head.enable_static_step(spec, max_bs)
 
     @property
     def runner(self):  # the synthetic head's, when it spends real compute

@@ -186,7 +186,7 @@ def build_proposer(args: argparse.Namespace):
         return _static_step(EagleProposer(model_path(args), path, engine_config, algorithm,
                                           token_map=args.speculative_token_map), args), path
     if algorithm == "SYNTHETIC":
-        return build_synthetic(args), str(args.synthetic_oracle or "synthetic")
+        return _static_step(build_synthetic(args), args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
 
 
@@ -211,7 +211,7 @@ def _static_step(proposer, args: argparse.Namespace):
 
     steps, topk, ndt = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
     runner = proposer.runner
-    if (getattr(args, "disable_static_draft_step", False) or not steps or runner.device.type != "cuda"
+    if (runner is None or getattr(args, "disable_static_draft_step", False) or not steps or runner.device.type != "cuda"
             or getattr(args, "disable_cuda_graph", False)):
         return proposer
     if proposer.enable_static_step(SpecShape(steps, topk, ndt), max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):

@@ -138,3 +138,35 @@ def test_eagle3_static_step_matches_eager(tmp_path, spec):
         if static:
             assert proposer._static_steps[spec].num_replays >= len(trees) - 1  # all but the prompt catch-up
     assert results[0] == results[1]
+
+
+def test_synthetic_head_spends_its_compute_through_the_static_step():
+    """SYNTHETIC's EAGLE-3-sized head (8B benchmarks) runs the static step too: the trees still come from the oracle,
+    the head's KV ends at the committed positions [0, C-1), nothing leaks."""
+    from draft_service.proposer import ProposeInput
+    from draft_service.synthetic import Oracle, SyntheticHead, SyntheticProposer
+    from runtime.config import ModelConfig
+
+    target_config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=128, num_layers=2,
+                                num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256)
+    spec = SpecShape(3, 2, 6)
+    trees = []
+    for static in (True, False):
+        head = SyntheticHead(target_config, _config(max_total_tokens=2048), 64, 100)
+        proposer = SyntheticProposer(1.0, 512, Oracle({(1, 2, 3): list(range(10, 60))}), head=head)
+        if static:
+            assert proposer.enable_static_step(spec, max_bs=4)
+        proposer.prefill("a", [1, 2, 3, 10])
+        committed = [1, 2, 3, 10]
+        got = []
+        for new in ([], [11, 12]):
+            committed += new
+            tree = proposer.propose([ProposeInput("a", len(committed), new, spec)])[0].tree
+            got.append((tree.token_ids, tree.parents))
+            assert head.runner.kv_len("a") == len(committed) - 1
+        trees.append(got)
+        if static:
+            assert head._static[spec].num_replays == 2
+        proposer.release(["a"])
+        assert head.runner.num_free_tokens() == head.runner.num_total_tokens()
+    assert trees[0] == trees[1]
