@@ -44,17 +44,20 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
-                      prefix_cache: bool = True):
+                      prefix_cache: bool = True, static_steps: bool = False):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
-    ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them)."""
+    ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
+    static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
+    verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
     from target_service.engine import TargetEngine
     from target_service.server import serve_target
 
-    engine_config = EngineConfig(device=device, dtype=dtype, max_total_tokens=max_total_tokens)
+    engine_config = EngineConfig(device=device, dtype=dtype, max_total_tokens=max_total_tokens,
+                                 attention_backend="triton" if static_steps else "auto")
     target_runner = ModelRunner(str(target_path), dataclasses.replace(engine_config, enable_prefix_cache=prefix_cache))
     proposer = None
     capture = {}
@@ -65,8 +68,10 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
                    else {"final_norm_features": True})
     servers = []
-    server, port = await serve_target(TargetEngine(target_runner, **capture), str(target_path), "127.0.0.1", 0,
-                                      inline_steps=inline_steps)
+    engine = TargetEngine(target_runner, **capture)
+    if static_steps:
+        assert engine.enable_static_verify(num_draft_tokens, max_bs=4)
+    server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
     draft = None
@@ -80,6 +85,10 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         from draft_service.ngram_draft import NgramDraft
 
         proposer = NgramDraft(NgramConfig(num_draft_tokens=num_draft_tokens, **(ngram_kwargs or {})))
+    if proposer is not None and static_steps and algorithm != "NGRAM":
+        from draft_service.proposer import SpecShape
+
+        assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)
     if proposer is not None:
         server, port = await serve_draft(proposer, str(draft_path or ""), "127.0.0.1", 0, inline_steps=inline_steps)
         servers.append(server)
@@ -95,6 +104,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           adaptive=adaptive)
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
+    scheduler.test_engine = engine
     scheduler.test_proposer = proposer
     scheduler.test_servers = servers
     scheduler.test_servicers = [s.servicer for s in servers]

@@ -99,3 +99,31 @@ def test_static_verify_eagle3_features_and_trees_match(tmp_path):
         if static:
             assert engine._static_verify.num_replays > 0
     assert results[0] == results[1]  # same tokens, and the drafts saw the same features: the same trees
+
+
+@pytest.mark.parametrize("algorithm,spec", [("EAGLE3", SpecShape(3, 2, 6)), ("STANDALONE", SpecShape(3, 1, 4)),
+                                            ("NGRAM", SpecShape(1, 1, 6))])
+async def test_static_steps_through_the_services_match_hf(tmp_path, algorithm, spec):
+    """The real step path (gRPC servicers, wire features, scheduler) with both static steps on, as tandem serve runs
+    them on a GPU: greedy output == HF generate, every step of the served shape through the static steps, no leak."""
+    import transformers
+
+    from tests.eagle.heads import make_eagle3_head
+    from tests.stack import generate_ids, local_stack
+    from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+
+    path = make_tiny_model("llama", tmp_path / "target")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    draft = {"EAGLE3": lambda: make_eagle3_head(path, str(tmp_path / "eagle3")), "STANDALONE": lambda: path,
+             "NGRAM": lambda: None}[algorithm]()
+    async with local_stack(path, algorithm=algorithm, draft_path=draft, num_steps=spec.num_steps, topk=spec.topk,
+                           num_draft_tokens=spec.num_draft_tokens, static_steps=True,
+                           ngram_kwargs={"max_bfs_breadth": 2} if algorithm == "NGRAM" else None) as scheduler:
+        for i, prompt in enumerate(prompts(hf.config.vocab_size)[:2]):
+            got, usage, _ = await generate_ids(scheduler, prompt, 12, request_id=f"s{i}")
+            assert got == hf_greedy(hf, prompt, 12)
+        assert scheduler.test_engine._static_verify.num_replays > 0
+        if algorithm != "NGRAM":
+            step = scheduler.test_proposer._static_steps[spec]
+            assert step.num_replays > 0
+        await _assert_no_kv_leak(scheduler)
