@@ -179,26 +179,22 @@ class StaticDraftStep(StaticStep):
         num = len(items)
         bs = self.bucket_for(num)
         q = self.shape.catch_up
-        host = self.new_host_rows(bs)
-        feats = []
+        host = self.new_host_rows(bs, max(len(item.block_table) for item in items))
         for i, item in enumerate(items):
             n = len(item.token_ids)
             pad = q - n
-            row = host[i]
-            row[pad:q] = torch.tensor(item.token_ids)
-            row[q + pad:2 * q] = torch.arange(item.start, item.start + n)
-            row[2 * q + pad:3 * q] = torch.tensor(item.slots)
-            row[3 * q] = item.start
-            row[3 * q + 1] = item.start + n
-            self.put_table(row, item.block_table)
-            if self.feature_head:
-                feats.append((pad, item.features))
-        if self.feature_head:
-            on_cuda = self.features.device.type == "cuda"
-            f = self.features[:bs * q].view(bs, q, -1)
-            f.zero_()
-            for i, (pad, rows) in enumerate(feats):
-                f[i, pad:].copy_(rows, non_blocking=on_cuda)
+            start = item.start
+            row = [0] * pad + item.token_ids + [0] * pad + list(range(start, start + n)) + [-1] * pad + item.slots
+            host[i, :3 * q + 2] = torch.tensor(row + [start, start + n])
+            self.put_table(host[i], item.block_table)
+        if self.feature_head:  # one block of features (where the rows are: the wire's on the host), one copy
+            src = items[0].features.device
+            feats = torch.zeros(bs, q, self.features.shape[1], dtype=self.features.dtype, device=src)
+            for i, item in enumerate(items):
+                feats[i, q - len(item.token_ids):] = item.features.to(src, self.features.dtype)
+            pinned = src.type == "cpu" and self.features.device.type == "cuda"
+            self.features[:bs * q].copy_((feats.pin_memory() if pinned else feats).view(bs * q, -1),
+                                         non_blocking=pinned)
         rows = self.execute(host)[:num].tolist()  # the one device->host copy of a Propose
         m = self.shape.num_draft_tokens - 1
         trees = []

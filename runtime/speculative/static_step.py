@@ -69,9 +69,12 @@ class StaticStep:
             raise ValueError(f"{num_seqs} sequences exceed the static step's {self.max_bs}")
         return bs
 
-    def new_host_rows(self, bs: int) -> torch.Tensor:
-        """The host side of the packed inputs for a bucket, with the padding rows' values."""
-        host = torch.zeros(bs, self.cols, dtype=torch.int64)
+    def new_host_rows(self, bs: int, max_table_len: int | None = None) -> torch.Tensor:
+        """The host side of the packed inputs for a bucket, with the padding rows' values, holding block tables of
+        up to max_table_len blocks (None: the widest; the columns past it keep stale values on the device, which the
+        step never reads: every sequence's KV ends before them)."""
+        width = self.cols if max_table_len is None else self.table_col + max(1, max_table_len)
+        host = torch.zeros(bs, width, dtype=torch.int64)
         self._pad_host(host)
         return host
 
@@ -83,10 +86,11 @@ class StaticStep:
         row[self.table_col:self.table_col + len(block_table)] = torch.tensor(block_table)
 
     def execute(self, host: torch.Tensor) -> torch.Tensor:
-        """One host->device copy of the packed inputs, then the bucket's graph (or the device code, eager)."""
-        bs = host.shape[0]
+        """One host->device copy of the packed inputs (as many table columns as the host rows hold), then the
+        bucket's graph (or the device code, eager)."""
+        bs, width = host.shape
         on_cuda = self.inputs.device.type == "cuda"
-        self.inputs[:bs].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        self.inputs[:bs, :width].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
         return self.replay(bs)
 
     def replay(self, bs: int) -> torch.Tensor:

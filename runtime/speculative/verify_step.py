@@ -141,15 +141,11 @@ class StaticVerifyStep(StaticStep):
         num = len(items)
         bs = self.bucket_for(num)
         w = self.width
-        host = self.new_host_rows(bs)
+        host = self.new_host_rows(bs, max(len(item.block_table) for item in items))
         for i, item in enumerate(items):
-            row = host[i]
-            row[:w] = torch.tensor(item.token_ids)
-            row[w:2 * w] = torch.tensor(item.positions)
-            row[2 * w:3 * w] = torch.tensor(item.slots)
-            row[3 * w:4 * w] = torch.tensor(item.parents)
-            row[4 * w] = item.start
-            self.put_table(row, item.block_table)
+            host[i, :4 * w + 1] = torch.tensor(item.token_ids + item.positions + item.slots + item.parents
+                                               + [item.start])
+            self.put_table(host[i], item.block_table)
         data = self.execute(host).cpu()  # the one device->host copy of a Verify
         head = bs * (2 * w + 1) * 8
         result = data[:head].view(torch.int64).view(bs, 2 * w + 1).tolist()
