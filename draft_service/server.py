@@ -3,16 +3,15 @@
 Model work is serialised by a ModelWorker (protos/model_worker.py): a Propose whose catch-up is short (at most
 INLINE_MAX_CATCH_UP tokens the draft has not run yet) and Release run inline on the event loop, saving the worker-thread
 round trip on every step; Prefill and long catch-ups (a feature draft's first Propose runs the whole prompt) run on the
-worker thread so the loop keeps answering health checks."""
+worker thread so the loop keeps answering health checks. A sequence with out-of-range input gets an INVALID result of
+its own (draft_service/convert.py); the rest of its batch runs."""
 from __future__ import annotations
 
 import logging
 import time
 
-import grpc
-
 from draft_service import convert
-from draft_service.proposer import Proposer
+from draft_service.proposer import Proposer, Status
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -26,12 +25,15 @@ INLINE_MAX_CATCH_UP = 256
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None, metrics=None,
-                 inline_steps: bool = True):
+                 inline_steps: bool = True, limits: convert.Limits | None = None):
+        """limits: per-call bounds (default: token ids below the draft model's vocabulary, default shape limits)."""
         self.proposer = proposer
         self.model_path = model_path
         self.info = info or {}
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self.worker = ModelWorker("draft-model", inline_steps)
+        runner = getattr(proposer, "runner", None)
+        self.limits = limits or convert.Limits(runner.model_config.vocab_size if runner is not None else None)
 
     def _memory(self) -> pb.MemoryState:
         free, total = self.proposer.memory()
@@ -39,14 +41,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def Prefill(self, request: pb.DraftPrefillRequest, context) -> pb.DraftPrefillResponse:
         start = time.perf_counter()
-
-        try:
-            inputs = convert.prefill_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        inputs = convert.prefill_inputs(request, self.limits)
 
         def run():
-            return [(seq_id, self.proposer.prefill(seq_id, tokens, features)) for seq_id, tokens, features in inputs]
+            return [(i.seq_id, i.status if i.status != Status.OK else self.proposer.prefill(i.seq_id, i.token_ids,
+                                                                                            i.features))
+                    for i in inputs]
 
         results = await self.worker.run(run)
         if self.metrics is not None:
@@ -65,12 +65,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def _propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.propose_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        inputs, slots = convert.split(convert.propose_inputs(request, self.limits))
         bounded = self.proposer.catch_up_tokens(inputs) <= INLINE_MAX_CATCH_UP
-        outputs = await self.worker.run(self.proposer.propose, inputs, inline=bounded)
+        outputs = convert.merge(slots, await self.worker.run(self.proposer.propose, inputs, inline=bounded)
+                                if inputs else [])
         elapsed = (time.perf_counter() - start) * 1e3
         if self.metrics is not None:
             self.metrics.observe_forward("Propose", elapsed / 1e3, len(inputs))
@@ -87,11 +85,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 
 async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,
-                      metrics=None, credentials=None, inline_steps: bool = True):
+                      metrics=None, credentials=None, inline_steps: bool = True,
+                      limits: convert.Limits | None = None):
     """Start the draft gRPC server; returns (server, bound_port).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread."""
-    servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps)
+    servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps, limits)
     if metrics is not None:
         metrics.bind_memory(lambda: (*proposer.memory(), proposer.num_seqs))
     server, bound, _ = await start_server(

@@ -25,6 +25,7 @@ from gateway.types import (
     GenerateChunk,
     GenerateParams,
     GenerationBackend,
+    MAX_STOP_STRINGS,
     InvalidRequest,
     RequestSampling,
 )
@@ -113,10 +114,13 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise InvalidRequest("stop strings need detokenization; unset skip_detokenize", "stop")
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
-        sampling = RequestSampling(
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(request.stop)}",
+                                 "stop")
+        sampling = RequestSampling(  # 0 is proto3's "unset" for top_p / top_k; other values are checked as on REST
             temperature=request.temperature,
-            top_p=request.top_p if 0.0 < request.top_p < 1.0 else 1.0,
-            top_k=request.top_k if request.top_k > 0 else -1,
+            top_p=request.top_p if request.top_p != 0.0 else 1.0,
+            top_k=request.top_k if request.top_k != 0 else -1,
             seed=request.seed if request.HasField("seed") else None,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty or 1.0,

@@ -235,7 +235,7 @@ class _OpenAIServer:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,
-            seed=None if req.seed is None else req.seed % (1 << 64),  # the pods take a uint64 seed
+            seed=None if req.seed in (None, -1) else req.seed,  # -1: no seed, as clients send it
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias),

@@ -12,21 +12,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.types import Usage
-
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20  # per position, as OpenAI's API
+from gateway.types import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Usage  # noqa: F401  (limits re-exported)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by chat and legacy completions (including the vLLM/SGLang extensions we support)."""
+    """Fields shared by chat and legacy completions (including the vLLM/SGLang extensions we support).
 
-    model_config = ConfigDict(extra="allow")
+    Strict types: JSON's true is not the integer 1 and 4.0 is not a token id (a float field still takes an integer)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(default=None, ge=1)

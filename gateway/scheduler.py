@@ -31,7 +31,7 @@ from gateway.pods import PodPool
 from gateway.routing import PrefixRouter, RoutingConfig
 from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
-                           InvalidRequest, Overloaded, Unavailable)
+                           InvalidRequest, Overloaded, Unavailable, check_params)
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +160,7 @@ class Scheduler:
         if self.config.max_prompt_tokens and prompt_len > self.config.max_prompt_tokens:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", "prompt")
-        if max(params.prompt_token_ids) >= self.vocab_size or min(params.prompt_token_ids) < 0:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if any(token >= self.vocab_size for token in params.sampling.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        if params.max_new_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        check_params(params, self.vocab_size)
         if prompt_len + params.max_new_tokens > self.max_context_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_context_len} tokens. However, you requested "
@@ -282,9 +277,11 @@ class Scheduler:
                                    _logprobs(s)) for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
-        except ValueError as exc:
-            for seq in seqs:
-                seq.fail(InvalidRequest(f"target rejected the prompt: {exc}"))
+        except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
+            if len(seqs) > 1:
+                await asyncio.gather(*(self._prefill_on(pod, [seq]) for seq in seqs))
+            else:
+                seqs[0].fail(InvalidRequest(f"target rejected the prompt: {exc}"))
             return
         except PodUnavailable as exc:
             self.targets.mark_down(pod, str(exc))
@@ -347,9 +344,11 @@ class Scheduler:
                                     decode_steps if not tokens else 1, _logprobs(seq)))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
-        except ValueError as exc:
-            for seq in seqs:
-                seq.fail(GatewayError(f"target rejected the step: {exc}"))
+        except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
+            if len(seqs) > 1:
+                await asyncio.gather(*(self._verify_on(pod, [seq], trees) for seq in seqs))
+            else:
+                seqs[0].fail(GatewayError(f"target rejected the step: {exc}"))
             return
         except PodUnavailable as exc:
             self.targets.mark_down(pod, str(exc))

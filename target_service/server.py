@@ -3,14 +3,13 @@
 Model work is serialised (one batched forward at a time) by a ModelWorker: step calls (Verify of a tree, or of up to
 INLINE_MAX_DECODE_STEPS decode steps) run inline on the event loop, which saves the worker-thread round trip on every
 step; Prefill and longer calls run on the worker thread so the loop stays free for health checks and new calls.
-Input errors become INVALID_ARGUMENT; nothing here holds state of its own.
+A sequence with out-of-range input (token ids past the vocabulary, an oversized tree, sampling values the engine
+refuses) gets an INVALID result of its own; the rest of its batch runs. Nothing here holds model state.
 """
 from __future__ import annotations
 
 import logging
 import time
-
-import grpc
 
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
@@ -26,11 +25,13 @@ INLINE_MAX_DECODE_STEPS = 16
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True):
+    def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True,
+                 max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES):
         self.engine = engine
         self.model_path = model_path
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self.worker = ModelWorker("target-model", inline_steps)
+        self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -39,11 +40,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def Prefill(self, request: pb.TargetPrefillRequest, context) -> pb.TargetPrefillResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.prefill_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = await self.worker.run(self.engine.prefill, inputs)
+        inputs, slots = convert.split(convert.prefill_inputs(request, self.limits))
+        outputs = convert.merge(slots, await self.worker.run(self.engine.prefill, inputs) if inputs else [])
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.TargetPrefillResponse(
@@ -61,12 +59,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def _verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.verify_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        inputs, slots = convert.split(convert.verify_inputs(request, self.limits))
         bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
-        outputs = await self.worker.run(self.engine.verify, inputs, inline=bounded)
+        outputs = convert.merge(slots, await self.worker.run(self.engine.verify, inputs, inline=bounded)
+                                if inputs else [])
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.VerifyResponse(
@@ -88,11 +84,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
 
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
-                       credentials=None, inline_steps: bool = True):
+                       credentials=None, inline_steps: bool = True,
+                       max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES):
     """Start the target gRPC server; returns (server, bound_port).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread."""
-    servicer = TargetServicer(engine, model_path, metrics, inline_steps)
+    servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes)
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
