@@ -85,6 +85,9 @@ class Scheduler:
         self.spec = spec
         self.config = config
         self._gateway_id = uuid.uuid4().hex[:8]
+        for client in [*targets, *drafts]:  # the pods refuse another gateway's Release of our sequences
+            if hasattr(client, "owner") and not client.owner:
+                client.owner = self._gateway_id
         self._counter = itertools.count()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -111,6 +114,11 @@ class Scheduler:
                 pass
         for seq in [*self._running, *self._waiting]:
             seq.fail(Unavailable("server shutting down"))
+
+    @property
+    def gateway_id(self) -> str:
+        """This gateway's id: the prefix of its sequence ids and the owner of its sequences on the pods."""
+        return self._gateway_id
 
     def health(self) -> bool:
         return self._task is not None and not self._task.done()

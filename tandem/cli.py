@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.args import (add_gateway_args, add_model_args, add_parallel_args, add_service_ops_args, add_spec_args,
-                         resolve_spec)
+from tandem.args import (add_gateway_args, add_hardening_args, add_model_args, add_parallel_args,
+                         add_service_ops_args, add_spec_args, resolve_spec)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--envoy-port", type=int, default=8080, help="listen port of the Envoy edge")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
     add_service_ops_args(serve, launcher=True)
+    add_hardening_args(serve, "serve")
     _common(serve)
 
     target = sub.add_parser("target", help="run the target service")
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(target)  # feature-based drafts decide which hidden states the target captures
     _service_addr(target, 30010)
     add_service_ops_args(target)
+    add_hardening_args(target, "target")
     _common(target)
 
     draft = sub.add_parser("draft", help="run the draft service")
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(draft)
     _service_addr(draft, 30020)
     add_service_ops_args(draft)
+    add_hardening_args(draft, "draft")
     _common(draft)
 
     gateway = sub.add_parser("gateway", help="run the gateway (speculative loop, OpenAI REST, gRPC Generate)")
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--pod-refresh-interval", type=float, default=10.0,
                          help="seconds between re-resolutions of dns:/// pod addresses")
     gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
+    add_hardening_args(gateway, "gateway")
     _common(gateway)
 
     from tandem.envoy import add_envoy_config_args

@@ -96,9 +96,12 @@ async def run_target(args: argparse.Namespace) -> None:
         runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
     else:
         runner = _build_runner(weights, engine_config)
+    credentials = _server_credentials(args)
+    _check_service_auth(args)
     server, port = await serve_target(TargetEngine(runner, **_feature_capture(args, runner)), path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
-                                      credentials=_server_credentials(args))
+                                      credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
+                                      service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
     print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else ""), flush=True)
     try:
         await _serve_until_signal(server)
@@ -178,9 +181,12 @@ def build_synthetic(args: argparse.Namespace):
 async def run_draft(args: argparse.Namespace) -> None:
     from draft_service.server import serve_draft
 
+    credentials = _server_credentials(args)
+    _check_service_auth(args)
     proposer, path = build_proposer(args)
     server, port = await serve_draft(proposer, path, args.service_host, args.service_port,
-                                     metrics=_service_metrics(args, "draft"), credentials=_server_credentials(args))
+                                     metrics=_service_metrics(args, "draft"), credentials=credentials,
+                                     service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
     print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port}", flush=True)
     await _serve_until_signal(server)
 
@@ -212,9 +218,10 @@ async def run_gateway(args: argparse.Namespace) -> None:
     creds = _channel_credentials(args)
     target_specs, draft_specs = _addresses(args.target_address), _addresses(args.draft_address)
     streams = not args.disable_step_streams
-    targets = [TargetClient(a, credentials=creds, step_streams=streams)
+    key = args.service_api_key
+    targets = [TargetClient(a, credentials=creds, step_streams=streams, service_api_key=key)
                for a in await _resolve_all(target_specs, args.startup_timeout)]
-    drafts = [DraftClient(a, credentials=creds, step_streams=streams)
+    drafts = [DraftClient(a, credentials=creds, step_streams=streams, service_api_key=key)
               for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
@@ -248,7 +255,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):
         refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval,
-                                                      creds, streams))
+                                                      creds, streams, key))
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
@@ -279,8 +286,9 @@ def _service_metrics(args: argparse.Namespace, service: str):
     from tandem.observability import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(service)
-    server = start_metrics_server(metrics.registry, args.metrics_host, args.metrics_port)
-    logger.info("%s metrics on http://%s:%d/metrics", service, args.metrics_host, server.server_port)
+    host = args.metrics_host or args.service_host  # never wider than the service itself
+    server = start_metrics_server(metrics.registry, host, args.metrics_port)
+    logger.info("%s metrics on http://%s:%d/metrics", service, host, server.server_port)
     return metrics
 
 
@@ -295,6 +303,24 @@ def _server_credentials(args: argparse.Namespace):
     from protos.wire import server_credentials
 
     return server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def _check_service_auth(args: argparse.Namespace) -> None:
+    """A model service reachable beyond this machine needs a credential: the service key or client certificates."""
+    import ipaddress
+
+    if args.service_api_key or args.tls_ca or args.allow_unauthenticated:
+        return
+    host = args.service_host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise SystemExit(f"error: --service-host {host} serves beyond this machine: set --service-api-key (or "
+                         "$TANDEM_SERVICE_API_KEY), or mTLS with --tls-ca, or pass --allow-unauthenticated")
+    if args.service_api_key is None:
+        logger.warning("no --service-api-key: any local process can call this service")
 
 
 def _channel_credentials(args: argparse.Namespace):
@@ -324,17 +350,17 @@ async def _resolve_all(specs: list[str], deadline_s: float) -> list[str]:
 
 
 async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float,
-                        credentials=None, step_streams: bool = True) -> None:
+                        credentials=None, step_streams: bool = True, service_api_key: str | None = None) -> None:
     """Follow scaling: re-resolve dns:/// names and let the pod pools add or retire pods."""
     from gateway.clients import DraftClient, TargetClient
     from gateway.pods import resolve
 
     while True:
         await asyncio.sleep(interval_s)
-        for specs, pool, factory in ((target_specs, scheduler.targets,
-                                      lambda a: TargetClient(a, credentials=credentials, step_streams=step_streams)),
-                                     (draft_specs, scheduler.drafts,
-                                      lambda a: DraftClient(a, credentials=credentials, step_streams=step_streams))):
+        kwargs = dict(credentials=credentials, step_streams=step_streams, service_api_key=service_api_key,
+                      owner=scheduler.gateway_id)
+        for specs, pool, factory in ((target_specs, scheduler.targets, lambda a: TargetClient(a, **kwargs)),
+                                     (draft_specs, scheduler.drafts, lambda a: DraftClient(a, **kwargs))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
                 _, removed = pool.update(found, factory)

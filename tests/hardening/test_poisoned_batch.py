@@ -78,7 +78,7 @@ async def test_draft_propose_and_prefill_fail_only_the_bad_sequence(model):
                           spec=pb.SpecParams(num_steps=2, topk=1, num_draft_tokens=3)),
             pb.ProposeSeq(seq_id="c", committed_len=3, new_token_ids=[6],
                           spec=pb.SpecParams(num_steps=10_000, topk=1000, num_draft_tokens=3))])
-        response = await draft.stub.Propose(request, timeout=30)
+        response = await draft.stub.Propose(request, timeout=30, metadata=draft.metadata)
         assert [r.status for r in response.results] == [pb.SEQ_STATUS_OK, pb.SEQ_STATUS_INVALID,
                                                         pb.SEQ_STATUS_INVALID]
         assert len(response.results[0].tree.token_ids) == 2
