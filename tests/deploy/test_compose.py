@@ -139,3 +139,11 @@ def test_dockerfile_has_base_image_args_and_tandem_entrypoint():
     gpu_build = yaml.safe_load(COMPOSE_FILE.read_text())["x-tandem-gpu-image"]["build"]
     assert gpu_build["dockerfile"] == "deploy/docker/Dockerfile"
     assert gpu_build["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+
+
+def test_model_services_get_the_service_key_and_publish_nothing(compose):
+    """Issue 15 §2: target, draft and gateway take TANDEM_SERVICE_API_KEY from the shell / .env; only envoy publishes
+    a host port."""
+    for name in ("target", "draft", "gateway"):
+        assert "TANDEM_SERVICE_API_KEY" in compose["services"][name]["environment"], name
+    assert [n for n, s in compose["services"].items() if "ports" in s] == ["envoy"]
