@@ -284,8 +284,11 @@ class _OpenAIServer:
             data = json.loads(body)
         except ValueError as exc:  # UnicodeDecodeError is a ValueError too
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequest("the request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise InvalidRequest("the request body must be a JSON object")
+        _check_text(data)
         try:
             req = model.model_validate(data)
         except ValidationError as exc:
@@ -350,6 +353,17 @@ def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more validation errors)"
     return error_body(message, "invalid_request_error", param)
+
+
+def _check_text(data: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer, log line or response can encode:
+    refuse it here, for every field at once (and bound the nesting the validators will walk)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the request contains a lone UTF-16 surrogate (invalid Unicode text)") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply") from None
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
