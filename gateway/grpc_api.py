@@ -7,6 +7,7 @@ loop.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -159,6 +160,20 @@ async def serve_gateway_grpc(servicer: GatewayServicer, host: str, port: int, *,
     server.bound_port = bound_port
     server.health = health
     return server
+
+
+async def follow_health(server: grpc.aio.Server, healthy: Callable[[], bool], interval_s: float = 0.5) -> None:
+    """Keep the server's grpc.health.v1 status (service "" and tandem.v1.Gateway) equal to `healthy()`: SERVING,
+    or NOT_SERVING e.g. while no target pod is reachable. Runs until cancelled."""
+    serving = None
+    while True:
+        now = bool(healthy())
+        if now != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", SERVICE_NAME):
+                await server.health.set(service, status)
+            serving = now
+        await asyncio.sleep(interval_s)
 
 
 def _response(request_id: str, chunk: GenerateChunk) -> pb.GenerateResponse:

@@ -51,6 +51,9 @@ class SchedulerConfig:
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
     routing: RoutingConfig = RoutingConfig()  # how new sequences pick a target pod
+    # Seconds between active health probes (grpc.health.v1) of every pod; 0 = none (pods are then only marked down
+    # by failed calls). /health and gRPC health follow: unhealthy while no target pod is up.
+    pod_probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -95,6 +98,7 @@ class Scheduler:
         self._by_request: dict[str, Sequence] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None
         self.num_steps = 0
         self.metrics = metrics or GatewayMetrics()
         self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
@@ -104,14 +108,17 @@ class Scheduler:
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="tandem-scheduler")
+        if self.config.pod_probe_interval_s > 0:
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="tandem-pod-probes")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._probe_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for seq in [*self._running, *self._waiting]:
             seq.fail(Unavailable("server shutting down"))
 
@@ -121,7 +128,19 @@ class Scheduler:
         return self._gateway_id
 
     def health(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """Serving: the loop runs and at least one target pod is up (probed, or not failing calls)."""
+        return self._task is not None and not self._task.done() and bool(self.targets.live())
+
+    async def _probe_loop(self) -> None:
+        interval = self.config.pod_probe_interval_s
+        while True:
+            clients = [(pool, c) for pool in (self.targets, self.drafts) for c in pool.clients
+                       if hasattr(c, "health_check")]
+            results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 1.0)) for _, c in clients),
+                                           return_exceptions=True)
+            for (pool, client), ok in zip(clients, results):
+                pool.set_probe_result(client, ok is True)
+            await asyncio.sleep(interval)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
         try:

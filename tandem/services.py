@@ -208,7 +208,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
     from gateway.clients import DraftClient, TargetClient
-    from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
+    from gateway.grpc_api import GatewayServicer, follow_health, serve_gateway_grpc
     from gateway.openai_api import build_app
     from gateway.routing import RoutingConfig
     from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
@@ -245,7 +245,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
         config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
-                                 num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing)
+                                 num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing,
+                                 pod_probe_interval_s=args.pod_probe_interval)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
@@ -261,6 +262,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
     grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
                                            args.grpc_port, api_key=args.api_key)
+    health_follower = asyncio.create_task(follow_health(grpc_server, scheduler.health))
     app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len,
                     max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics)
     # JSON logs: let uvicorn's loggers propagate to the root handler instead of installing its own text ones.
@@ -273,6 +275,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     try:
         await http.serve()  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
     finally:
+        health_follower.cancel()
         if refresher is not None:
             refresher.cancel()
         await grpc_server.stop(grace=1.0)
