@@ -6,6 +6,7 @@ iterator, which aborts the request. It knows nothing about pods, drafts or the s
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.auth import ApiKeyMiddleware
 from gateway.errors import error_body, http_error
@@ -58,11 +60,20 @@ class PayloadTooLarge(GatewayError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeout(GatewayError):
+    http_status = 408
+    grpc_code = "DEADLINE_EXCEEDED"
+    error_type = "invalid_request_error"
+
+
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
 def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *, max_model_len: int,
               default_max_tokens: int | None = None,
               health_check: Callable[[], Awaitable[bool] | bool] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
-              metrics: GatewayMetrics | None = None) -> FastAPI:
+              metrics: GatewayMetrics | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The OpenAI REST app over `backend`.
 
     default_max_tokens: default for chat requests without max_tokens (None = up to the context limit) and for
@@ -70,10 +81,11 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     health_check: /health answers 200 when it returns true; without one, `backend.health()` is used if it exists.
     api_key: when set, every route but /health and /metrics needs `Authorization: Bearer <api_key>` (else 401).
     metrics: served at /metrics (default: `backend.metrics` if the backend has one); counts responses by status.
+    body_timeout_s: a request body not received within this many seconds is a 408.
     """
     server = _OpenAIServer(backend, tokenizer, served_model_name, max_model_len=max_model_len,
                            default_max_tokens=default_max_tokens, health_check=health_check,
-                           max_body_bytes=max_body_bytes)
+                           max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.openai_server = server
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
@@ -115,7 +127,8 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
 
 class _OpenAIServer:
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *,
-                 max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int):
+                 max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = served_model_name
@@ -123,6 +136,7 @@ class _OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.health_check = health_check
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------------------ routes
@@ -268,6 +282,9 @@ class _OpenAIServer:
             return await handler(request)
         except GatewayError as exc:
             return self._error_response(exc)
+        except ClientDisconnect:  # the client left while sending its body: nothing to answer, nothing failed here
+            log.info("499 %s: the client disconnected before its request body was complete", request.url.path)
+            return Response(status_code=499)
         except Exception:
             log.exception("unhandled error serving %s", request.url.path)
             return JSONResponse(error_body("internal server error", "internal_error"), status_code=500,
@@ -279,7 +296,11 @@ class _OpenAIServer:
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
-        body = await _read_body(request, self.max_body_bytes)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await _read_body(request, self.max_body_bytes)
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g}s") from None
         try:
             data = json.loads(body)
         except ValueError as exc:  # UnicodeDecodeError is a ValueError too

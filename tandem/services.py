@@ -209,6 +209,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
 
     from gateway.clients import DraftClient, TargetClient
     from gateway.grpc_api import GatewayServicer, follow_health, serve_gateway_grpc
+    from gateway.http_server import uvicorn_config
     from gateway.openai_api import build_app
     from gateway.routing import RoutingConfig
     from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
@@ -264,11 +265,12 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                            args.grpc_port, api_key=args.api_key)
     health_follower = asyncio.create_task(follow_health(grpc_server, scheduler.health))
     app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len,
-                    max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics)
+                    max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics,
+                    body_timeout_s=args.http_body_timeout)
     # JSON logs: let uvicorn's loggers propagate to the root handler instead of installing its own text ones.
     log_config = None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
-                            log_config=log_config)
+    config = uvicorn_config(app, args.host, args.port, header_timeout_s=args.http_header_timeout,
+                            log_level="warning", lifespan="off", log_config=log_config, timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)
     print(f"tandem gateway ready: http://{args.host}:{args.port}/v1 grpc {args.host}:{args.grpc_port} "
           f"model={name} speculative={spec.algorithm}", flush=True)
