@@ -149,3 +149,24 @@ def test_a_service_on_a_public_address_needs_a_credential():
     _check_service_auth(argparse.Namespace(service_host="127.0.0.1", **base))
     _check_service_auth(argparse.Namespace(service_host="0.0.0.0", **{**base, "service_api_key": "k"}))
     _check_service_auth(argparse.Namespace(service_host="0.0.0.0", **{**base, "tls_ca": "ca.pem"}))
+
+
+@pytest.mark.parametrize("service", ["target", "draft"])
+def test_model_service_metrics_bind_the_service_host_by_default(service, monkeypatch):
+    """Issue 15 §9: /metrics of a model service listens where the service does unless --metrics-host says else."""
+    import tandem.observability as observability
+    from tandem.cli import build_parser
+    from tandem.services import _service_metrics
+
+    bound = []
+
+    class _Server:
+        server_port = 1
+
+    monkeypatch.setattr(observability, "start_metrics_server", lambda registry, host, port: bound.append(host) or
+                        _Server())
+    for flags, host in ((["--service-host", "127.0.0.1"], "127.0.0.1"), (["--service-host", "10.1.2.3"], "10.1.2.3"),
+                        (["--metrics-host", "0.0.0.0"], "0.0.0.0")):
+        args = build_parser().parse_args([service, "--metrics-port", "9400", *flags])
+        _service_metrics(args, service)
+        assert bound[-1] == host
