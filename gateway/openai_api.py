@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health.
+"""OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health,
+/openapi.json (gateway/openai_schema.py).
 
 It validates and tokenizes requests, turns them into `GenerateParams`, and renders the backend's `GenerateChunk`s as
 OpenAI responses; every error leaves as OpenAI's error envelope. A client that disconnects closes the backend's
@@ -27,6 +28,7 @@ from gateway.auth import ApiKeyMiddleware
 from gateway.errors import error_body, http_error
 from gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from gateway.openai_fanout import fan_out, merge
+from gateway.openai_schema import openapi_document
 from gateway.openai_stream import (DISCONNECTED, SSEResponse, close_stream, collect, collect_n, first_chunk,
                                     sse_events, sse_events_n, unless_disconnected)
 from gateway.openai_protocol import (
@@ -93,6 +95,12 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    document = openapi_document()
+
+    async def openapi() -> JSONResponse:
+        return JSONResponse(document)
+
+    app.add_api_route("/openapi.json", openapi, methods=["GET"])
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     metrics = metrics if metrics is not None else getattr(backend, "metrics", None)

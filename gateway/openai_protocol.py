@@ -45,8 +45,18 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
 
 
+_MESSAGE_SCHEMA = {  # documents the shape only (OpenAPI); Tokenizer.apply_chat_template checks it with clear messages
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"}}}
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[Any]  # roles and content parts are checked by Tokenizer.apply_chat_template (clear messages)
+    messages: list[Any] = Field(json_schema_extra={"items": _MESSAGE_SCHEMA})  # checked by the tokenizer
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
