@@ -54,6 +54,8 @@ class SchedulerConfig:
     # Seconds between active health probes (grpc.health.v1) of every pod; 0 = none (pods are then only marked down
     # by failed calls). /health and gRPC health follow: unhealthy while no target pod is up.
     pod_probe_interval_s: float = 1.0
+    # How long a sequence waits for a target pod while none is up (all restarting) before it fails with 503.
+    no_target_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -236,6 +238,8 @@ class Scheduler:
         if active:
             await self.metrics.timed("step", self._step(active))
             self.num_steps += 1
+        elif any(s.no_target_since is not None for s in self._running):
+            await asyncio.sleep(0.05)  # sequences wait for a target pod: poll the pools, do not spin
         self._reap()
 
     def _reap(self) -> None:
@@ -292,10 +296,22 @@ class Scheduler:
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in [*new, *resync]:
             if self._route_target(seq):
+                seq.no_target_since = None
                 groups[seq.target].append(seq)
             else:
-                seq.fail(Unavailable("no target pod is reachable"))
+                self._wait_for_target(seq)
         await asyncio.gather(*(self._prefill_on(pod, group) for pod, group in groups.items()))
+
+    def _wait_for_target(self, seq: Sequence) -> None:
+        """No target pod is up (all restarting or lost): the sequence waits, its committed tokens safe here, and is
+        prefilled on the first pod that comes back — or fails after `no_target_wait_s`."""
+        now = time.monotonic()
+        if seq.no_target_since is None:
+            seq.no_target_since = now
+        if now - seq.no_target_since > self.config.no_target_wait_s:
+            seq.fail(Unavailable("no target pod is reachable"))
+        else:
+            seq.needs_target_prefill = True
 
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
@@ -350,7 +366,7 @@ class Scheduler:
             if self._route_target(seq) and not seq.needs_target_prefill:
                 groups[seq.target].append(seq)
             elif seq.target is None:
-                seq.fail(Unavailable("no target pod is reachable"))
+                self._wait_for_target(seq)
         verifies = [self._verify_on(pod, group, trees) for pod, group in groups.items()]
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))

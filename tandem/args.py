@@ -256,6 +256,9 @@ def add_hardening_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--pod-probe-interval", type=float, default=1.0,
                        help="seconds between the gateway's health probes of every pod (/health is 503 and gRPC "
                             "health NOT_SERVING while no target pod answers); 0 = no probes")
+        g.add_argument("--no-target-wait", type=float, default=60.0,
+                       help="seconds a request waits for a target pod while none is up (e.g. all restarting) before "
+                            "it fails with 503")
         g.add_argument("--http-header-timeout", type=float, default=10.0,
                        help="seconds a client may take to send a request's headers (slow clients are disconnected)")
         g.add_argument("--http-body-timeout", type=float, default=30.0,

@@ -149,7 +149,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.max_prompt_tokens:
         gateway += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
     gateway += ["--max-request-body-bytes", str(args.max_request_body_bytes),
-                "--pod-probe-interval", str(args.pod_probe_interval),
+                "--pod-probe-interval", str(args.pod_probe_interval), "--no-target-wait", str(args.no_target_wait),
                 "--http-header-timeout", str(args.http_header_timeout),
                 "--http-body-timeout", str(args.http_body_timeout)]
     for flag, value in (("--service-tls-ca", args.service_tls_ca), ("--service-tls-cert", args.service_tls_cert),

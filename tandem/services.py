@@ -247,7 +247,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
                                  num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing,
-                                 pod_probe_interval_s=args.pod_probe_interval)
+                                 pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,

@@ -83,3 +83,39 @@ async def test_health_follows_the_targets_and_pod_up_follows_the_probes(model):
             follower.cancel()
             await channel.close()
             await grpc_server.stop(grace=None)
+
+
+async def test_requests_wait_for_a_target_that_comes_back(model):
+    """All target pods gone (restarting): running and new requests wait (bounded) with their committed tokens and
+    finish, token for token as without the outage, once a target answers again on the same address."""
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from target_service.engine import TargetEngine
+    from target_service.server import serve_target
+
+    async with local_stack(model) as scheduler:
+        want, _, _ = await generate_ids(scheduler, [5, 6, 7], 40, request_id="reference")
+        target_server = scheduler.test_servers[0]
+        port = int(scheduler.targets.clients[0].address.rsplit(":", 1)[1])
+        first = asyncio.create_task(generate_ids(scheduler, [5, 6, 7], 40, request_id="running"))
+        while not scheduler._running:
+            await asyncio.sleep(0.01)
+        await target_server.stop(grace=None)
+        second = asyncio.create_task(generate_ids(scheduler, [5, 6, 7], 40, request_id="new"))
+        await _until(_async(lambda: not scheduler.health()))
+        await asyncio.sleep(1.0)  # both requests are waiting, not failed
+        assert not first.done() and not second.done()
+        runner = ModelRunner(str(model), EngineConfig(device="cpu", dtype="float32", max_total_tokens=8192))
+        server, _ = await serve_target(TargetEngine(runner), str(model), "127.0.0.1", port)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(first, second), 60)
+            assert [r[0] for r in results] == [want, want]
+        finally:
+            await server.stop(grace=None)
+
+
+def _async(fn):
+    async def call():
+        return fn()
+
+    return call

@@ -61,11 +61,11 @@ async def test_slowloris_connections_are_closed_and_service_goes_on(server):
         await asyncio.sleep(0.3)
         for _, writer in conns[1::2]:
             writer.write(b"X")
-    start = time.monotonic()
-    closed = await asyncio.gather(*(_closed_by_server(r, HEADER_TIMEOUT_S + 5) for r, _ in conns))
+    # Without the header deadline they are held forever; with it they go after ~1 s (20 s: slack for a loaded box).
+    closed = await asyncio.gather(*(_closed_by_server(r, HEADER_TIMEOUT_S + 20) for r, _ in conns))
     held = len(closed) - sum(closed)
     print(f"slowloris: 250 half-open connections, {held} still held after the header timeout")
-    assert held == 0 and time.monotonic() - start < HEADER_TIMEOUT_S + 5
+    assert held == 0
     for _, writer in conns:
         writer.close()
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
