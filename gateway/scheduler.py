@@ -138,7 +138,7 @@ class Scheduler:
         while True:
             clients = [(pool, c) for pool in (self.targets, self.drafts) for c in pool.clients
                        if hasattr(c, "health_check")]
-            results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 1.0)) for _, c in clients),
+            results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 2.0)) for _, c in clients),
                                            return_exceptions=True)
             for (pool, client), ok in zip(clients, results):
                 pool.set_probe_result(client, ok is True)
