@@ -52,9 +52,11 @@ class SeqLeases:
 
 
 def caller(context) -> str:
-    """The owner id a gRPC call carries (empty when it carries none)."""
+    """The owner id a gRPC call carries (empty when it carries none, or for a direct in-process call: no context)."""
     from protos.wire import OWNER_METADATA
 
+    if context is None:
+        return ""
     for key, value in context.invocation_metadata() or ():
         if key == OWNER_METADATA:
             return value if isinstance(value, str) else ""
