@@ -138,10 +138,13 @@ class Scheduler:
         while True:
             clients = [(pool, c) for pool in (self.targets, self.drafts) for c in pool.clients
                        if hasattr(c, "health_check")]
-            results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 2.0)) for _, c in clients),
-                                           return_exceptions=True)
-            for (pool, client), ok in zip(clients, results):
-                pool.set_probe_result(client, ok is True)
+            try:
+                results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 2.0)) for _, c in clients),
+                                               return_exceptions=True)
+                for (pool, client), ok in zip(clients, results):
+                    pool.set_probe_result(client, ok is True)
+            except Exception:  # never let one bad round end the probing
+                logger.exception("pod health probes failed")
             await asyncio.sleep(interval)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:

@@ -104,7 +104,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def free_idle_forever(self) -> None:
         while True:
             await asyncio.sleep(min(self.leases.idle_ttl_s / 4, 10.0))
-            await self.free_idle()
+            try:
+                await self.free_idle()
+            except Exception:  # never let one failed sweep end the sweeping
+                logger.exception("freeing idle sequences failed")
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         cfg = self.engine.runner.model_config
