@@ -3,16 +3,17 @@
 Model work is serialised by a ModelWorker (protos/model_worker.py): a Propose whose catch-up is short (at most
 INLINE_MAX_CATCH_UP tokens the draft has not run yet) and Release run inline on the event loop, saving the worker-thread
 round trip on every step; Prefill and long catch-ups (a feature draft's first Propose runs the whole prompt) run on the
-worker thread so the loop keeps answering health checks."""
+worker thread so the loop keeps answering health checks. A sequence with out-of-range input gets an INVALID result of
+its own (draft_service/convert.py); the rest of its batch runs."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-import grpc
-
 from draft_service import convert
-from draft_service.proposer import Proposer
+from draft_service.proposer import ProposeInput, ProposeOutput, Proposer, Status
+from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -26,12 +27,17 @@ INLINE_MAX_CATCH_UP = 256
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, proposer: Proposer, model_path: str, info: dict | None = None, metrics=None,
-                 inline_steps: bool = True):
+                 inline_steps: bool = True, limits: convert.Limits | None = None,
+                 seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+        """limits: per-call bounds (default: token ids below the draft model's vocabulary, default shape limits)."""
         self.proposer = proposer
+        self.leases = SeqLeases(seq_idle_ttl_s)  # owner and last use of every sequence
         self.model_path = model_path
         self.info = info or {}
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self.worker = ModelWorker("draft-model", inline_steps)
+        runner = getattr(proposer, "runner", None)
+        self.limits = limits or convert.Limits(runner.model_config.vocab_size if runner is not None else None)
 
     def _memory(self) -> pb.MemoryState:
         free, total = self.proposer.memory()
@@ -39,14 +45,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def Prefill(self, request: pb.DraftPrefillRequest, context) -> pb.DraftPrefillResponse:
         start = time.perf_counter()
-
-        try:
-            inputs = convert.prefill_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        owner = caller(context)
+        inputs = convert.prefill_inputs(request, self.limits)
+        for i in inputs:
+            if i.status == Status.OK and not self.leases.allows(i.seq_id, owner):
+                i.status, i.error = Status.INVALID, "the sequence belongs to another gateway"
+        self.leases.claim([i.seq_id for i in inputs if i.status == Status.OK], owner)
 
         def run():
-            return [(seq_id, self.proposer.prefill(seq_id, tokens, features)) for seq_id, tokens, features in inputs]
+            return [(i.seq_id, i.status if i.status != Status.OK else self.proposer.prefill(i.seq_id, i.token_ids,
+                                                                                            i.features))
+                    for i in inputs]
 
         results = await self.worker.run(run)
         if self.metrics is not None:
@@ -65,12 +74,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def _propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.propose_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        owner = caller(context)
+        items = [ProposeOutput(i.seq_id, Status.INVALID, base_committed_len=i.committed_len,
+                               error="the sequence belongs to another gateway")
+                 if isinstance(i, ProposeInput) and not self.leases.allows(i.seq_id, owner) else i
+                 for i in convert.propose_inputs(request, self.limits)]
+        inputs, slots = convert.split(items)
+        self.leases.touch([inp.seq_id for inp in inputs])
         bounded = self.proposer.catch_up_tokens(inputs) <= INLINE_MAX_CATCH_UP
-        outputs = await self.worker.run(self.proposer.propose, inputs, inline=bounded)
+        outputs = convert.merge(slots, await self.worker.run(self.proposer.propose, inputs, inline=bounded)
+                                if inputs else [])
         elapsed = (time.perf_counter() - start) * 1e3
         if self.metrics is not None:
             self.metrics.observe_forward("Propose", elapsed / 1e3, len(inputs))
@@ -78,8 +91,30 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                                   timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        released = await self.worker.run(self.proposer.release, list(request.seq_ids), inline=True)
+        owner = caller(context)
+        seq_ids = [s for s in request.seq_ids if self.leases.allows(s, owner)]  # another owner's: left alone
+        released = await self.worker.run(self.proposer.release, seq_ids, inline=True)
+        self.leases.forget(seq_ids)
         return pb.ReleaseResponse(num_released=released, memory=self._memory())
+
+    async def free_idle(self) -> int:
+        """Free the sequences no call has used within the idle TTL (their gateway is gone); returns how many."""
+        idle = self.leases.idle()
+        if not idle:
+            return 0
+        released = await self.worker.run(self.proposer.release, idle, inline=True)
+        self.leases.forget(idle)
+        if released:
+            logger.warning("freed %d sequences idle for more than %.0fs", released, self.leases.idle_ttl_s)
+        return released
+
+    async def free_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.leases.idle_ttl_s / 4, 10.0))
+            try:
+                await self.free_idle()
+            except Exception:  # never let one failed sweep end the sweeping
+                logger.exception("freeing idle sequences failed")
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         return pb.ModelInfo(model_path=self.model_path, algorithm=self.proposer.algorithm, memory=self._memory(),
@@ -87,17 +122,22 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 
 async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,
-                      metrics=None, credentials=None, inline_steps: bool = True):
-    """Start the draft gRPC server; returns (server, bound_port).
+                      metrics=None, credentials=None, inline_steps: bool = True,
+                      limits: convert.Limits | None = None, service_api_key: str | None = None,
+                      seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+    """Start the draft gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
+    health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread."""
-    servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps)
+    servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps, limits, seq_idle_ttl_s)
     if metrics is not None:
         metrics.bind_memory(lambda: (*proposer.memory(), proposer.num_seqs))
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port,
-        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
+        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
+        service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
+    server.idle_sweeper = asyncio.create_task(servicer.free_idle_forever())  # ends with the event loop
     logger.info("draft service (%s) listening on %s:%d", proposer.algorithm, host, bound)
     return server, bound

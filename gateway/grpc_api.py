@@ -7,6 +7,7 @@ loop.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -25,6 +26,7 @@ from gateway.types import (
     GenerateChunk,
     GenerateParams,
     GenerationBackend,
+    MAX_STOP_STRINGS,
     InvalidRequest,
     RequestSampling,
 )
@@ -113,10 +115,13 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             raise InvalidRequest("stop strings need detokenization; unset skip_detokenize", "stop")
         if request.top_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}", "top_logprobs")
-        sampling = RequestSampling(
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(request.stop)}",
+                                 "stop")
+        sampling = RequestSampling(  # 0 is proto3's "unset" for top_p / top_k; other values are checked as on REST
             temperature=request.temperature,
-            top_p=request.top_p if 0.0 < request.top_p < 1.0 else 1.0,
-            top_k=request.top_k if request.top_k > 0 else -1,
+            top_p=request.top_p if request.top_p != 0.0 else 1.0,
+            top_k=request.top_k if request.top_k != 0 else -1,
             seed=request.seed if request.HasField("seed") else None,
             presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty or 1.0,
@@ -155,6 +160,20 @@ async def serve_gateway_grpc(servicer: GatewayServicer, host: str, port: int, *,
     server.bound_port = bound_port
     server.health = health
     return server
+
+
+async def follow_health(server: grpc.aio.Server, healthy: Callable[[], bool], interval_s: float = 0.5) -> None:
+    """Keep the server's grpc.health.v1 status (service "" and tandem.v1.Gateway) equal to `healthy()`: SERVING,
+    or NOT_SERVING e.g. while no target pod is reachable. Runs until cancelled."""
+    serving = None
+    while True:
+        now = bool(healthy())
+        if now != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", SERVICE_NAME):
+                await server.health.set(service, status)
+            serving = now
+        await asyncio.sleep(interval_s)
 
 
 def _response(request_id: str, chunk: GenerateChunk) -> pb.GenerateResponse:

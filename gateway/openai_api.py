@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health.
+"""OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health,
+/openapi.json (gateway/openai_schema.py).
 
 It validates and tokenizes requests, turns them into `GenerateParams`, and renders the backend's `GenerateChunk`s as
 OpenAI responses; every error leaves as OpenAI's error envelope. A client that disconnects closes the backend's
@@ -6,6 +7,7 @@ iterator, which aborts the request. It knows nothing about pods, drafts or the s
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -20,11 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.auth import ApiKeyMiddleware
 from gateway.errors import error_body, http_error
 from gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
 from gateway.openai_fanout import fan_out, merge
+from gateway.openai_schema import openapi_document
 from gateway.openai_stream import (DISCONNECTED, SSEResponse, close_stream, collect, collect_n, first_chunk,
                                     sse_events, sse_events_n, unless_disconnected)
 from gateway.openai_protocol import (
@@ -58,12 +62,21 @@ class PayloadTooLarge(GatewayError):
     error_type = "invalid_request_error"
 
 
+class RequestTimeout(GatewayError):
+    http_status = 408
+    grpc_code = "DEADLINE_EXCEEDED"
+    error_type = "invalid_request_error"
+
+
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
 def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *, max_model_len: int,
               default_max_tokens: int | None = None,
               health_check: Callable[[], Awaitable[bool] | bool] | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_key: str | None = None,
               metrics: GatewayMetrics | None = None, served_model_names: Sequence[str] = (),
-              model_aliases: Sequence[str] = ()) -> FastAPI:
+              model_aliases: Sequence[str] = (), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """The OpenAI REST app over `backend`.
 
     default_max_tokens: default for chat requests without max_tokens (None = up to the context limit) and for
@@ -73,11 +86,12 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     metrics: served at /metrics (default: `backend.metrics` if the backend has one); counts responses by status.
     served_model_names: more names listed by /v1/models and accepted in requests (responses name served_model_name).
     model_aliases: names requests may use without being listed (the model's path, its folder name).
+    body_timeout_s: a request body not received within this many seconds is a 408.
     """
     server = _OpenAIServer(backend, tokenizer, served_model_name, max_model_len=max_model_len,
                            default_max_tokens=default_max_tokens, health_check=health_check,
                            max_body_bytes=max_body_bytes, served_model_names=served_model_names,
-                           model_aliases=model_aliases)
+                           model_aliases=model_aliases, body_timeout_s=body_timeout_s)
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.openai_server = server
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
@@ -85,6 +99,12 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    document = openapi_document()
+
+    async def openapi() -> JSONResponse:
+        return JSONResponse(document)
+
+    app.add_api_route("/openapi.json", openapi, methods=["GET"])
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     metrics = metrics if metrics is not None else getattr(backend, "metrics", None)
@@ -120,7 +140,8 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
 class _OpenAIServer:
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer, served_model_name: str, *,
                  max_model_len: int, default_max_tokens: int | None, health_check, max_body_bytes: int,
-                 served_model_names: Sequence[str] = (), model_aliases: Sequence[str] = ()):
+                 served_model_names: Sequence[str] = (), model_aliases: Sequence[str] = (),
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
         self.backend = backend
         self.tokenizer = tokenizer
         self.model_name = served_model_name
@@ -130,6 +151,7 @@ class _OpenAIServer:
         self.default_max_tokens = default_max_tokens
         self.health_check = health_check
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
 
     # ------------------------------------------------------------------------------------------ routes
@@ -242,7 +264,7 @@ class _OpenAIServer:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,
-            seed=None if req.seed is None else req.seed % (1 << 64),  # the pods take a uint64 seed
+            seed=None if req.seed in (None, -1) else req.seed,  # -1: no seed, as clients send it
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias),
@@ -275,6 +297,9 @@ class _OpenAIServer:
             return await handler(request)
         except GatewayError as exc:
             return self._error_response(exc)
+        except ClientDisconnect:  # the client left while sending its body: nothing to answer, nothing failed here
+            log.info("499 %s: the client disconnected before its request body was complete", request.url.path)
+            return Response(status_code=499)
         except Exception:
             log.exception("unhandled error serving %s", request.url.path)
             return JSONResponse(error_body("internal server error", "internal_error"), status_code=500,
@@ -286,13 +311,20 @@ class _OpenAIServer:
         return JSONResponse(body, status_code=status, headers=headers)
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
-        body = await _read_body(request, self.max_body_bytes)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await _read_body(request, self.max_body_bytes)
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g}s") from None
         try:
             data = json.loads(body)
         except ValueError as exc:  # UnicodeDecodeError is a ValueError too
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequest("the request body is nested too deeply") from None
         if not isinstance(data, dict):
             raise InvalidRequest("the request body must be a JSON object")
+        _check_text(data)
         try:
             req = model.model_validate(data)
         except ValidationError as exc:
@@ -357,6 +389,17 @@ def _validation_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more validation errors)"
     return error_body(message, "invalid_request_error", param)
+
+
+def _check_text(data: Any) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no tokenizer, log line or response can encode:
+    refuse it here, for every field at once (and bound the nesting the validators will walk)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("the request contains a lone UTF-16 surrogate (invalid Unicode text)") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply") from None
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:

@@ -12,21 +12,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.types import Usage
-
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20  # per position, as OpenAI's API
+from gateway.types import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, Usage  # noqa: F401  (limits re-exported)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by chat and legacy completions (including the vLLM/SGLang extensions we support)."""
+    """Fields shared by chat and legacy completions (including the vLLM/SGLang extensions we support).
 
-    model_config = ConfigDict(extra="allow")
+    Strict types: JSON's true is not the integer 1 and 4.0 is not a token id (a float field still takes an integer)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None  # None = the served model
     max_tokens: int | None = Field(default=None, ge=1)
@@ -46,8 +45,18 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
 
 
+_MESSAGE_SCHEMA = {  # documents the shape only (OpenAPI); Tokenizer.apply_chat_template checks it with clear messages
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+        "name": {"type": "string"}}}
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[Any]  # roles and content parts are checked by Tokenizer.apply_chat_template (clear messages)
+    messages: list[Any] = Field(json_schema_extra={"items": _MESSAGE_SCHEMA})  # checked by the tokenizer
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

@@ -2,7 +2,8 @@
 
 Routing is rendezvous (highest-random-weight) hashing of the sequence id over the live pods: every gateway that sees
 the same live set picks the same pod, and losing a pod only moves the sequences that were on it. A pod whose call
-failed is marked down and probed again after `retry_s`.
+failed is marked down and tried again after `retry_s`; a pod that fails its active health probe (the scheduler's
+probe loop) stays down until a probe succeeds.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 C = TypeVar("C")
+PROBE_FAILURES = 2  # consecutive failed health probes that take a pod out
 
 
 def rendezvous_weight(seq_id: str, address: str) -> int:
@@ -28,6 +30,8 @@ class PodPool(Generic[C]):
         self.retry_s = retry_s
         self._down_until: dict[str, float] = {}
         self._retired: set[str] = set()  # pods that left the address list: never routed to again
+        self._failing_probe: set[str] = set()  # pods whose health probes failed: down until one succeeds
+        self._probe_failures: dict[str, int] = {}  # consecutive failed probes per pod
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -50,7 +54,25 @@ class PodPool(Generic[C]):
         self._down_until.pop(client.address, None)
 
     def is_down(self, client: C) -> bool:
-        return client.address in self._retired or self._down_until.get(client.address, 0.0) > time.monotonic()
+        address = client.address
+        return (address in self._retired or address in self._failing_probe
+                or self._down_until.get(address, 0.0) > time.monotonic())
+
+    def set_probe_result(self, client: C, ok: bool) -> None:
+        """The outcome of an active health probe: a pod that fails PROBE_FAILURES in a row stays down until one
+        succeeds (a failed call's mark lasts only `retry_s`, so without probes a dead pod would look up again between
+        calls); one slow answer on a loaded host does not take a pod out."""
+        address = client.address
+        if ok:
+            self._probe_failures.pop(address, None)
+            if address in self._failing_probe:
+                self._failing_probe.discard(address)
+                logger.info("pod %s answers its health probe again", address)
+            return
+        self._probe_failures[address] = self._probe_failures.get(address, 0) + 1
+        if self._probe_failures[address] >= PROBE_FAILURES and address not in self._failing_probe:
+            self._failing_probe.add(address)
+            logger.warning("pod %s fails its health probe; down until it answers", address)
 
     def update(self, addresses: list[str], make_client: Callable[[str], C]) -> tuple[list[str], list[str]]:
         """Make the pool follow a new address list (DNS re-resolution): new pods join, vanished pods retire (their

@@ -31,7 +31,7 @@ from gateway.pods import PodPool
 from gateway.routing import PrefixRouter, RoutingConfig
 from gateway.sequence import Sequence
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
-                           InvalidRequest, Overloaded, Unavailable)
+                           InvalidRequest, Overloaded, Unavailable, check_params)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ class SchedulerConfig:
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
     routing: RoutingConfig = RoutingConfig()  # how new sequences pick a target pod
+    # Seconds between active health probes (grpc.health.v1) of every pod; 0 = none (pods are then only marked down
+    # by failed calls). /health and gRPC health follow: unhealthy while no target pod is up.
+    pod_probe_interval_s: float = 1.0
+    # How long a sequence waits for a target pod while none is up (all restarting) before it fails with 503.
+    no_target_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
@@ -85,6 +90,9 @@ class Scheduler:
         self.spec = spec
         self.config = config
         self._gateway_id = uuid.uuid4().hex[:8]
+        for client in [*targets, *drafts]:  # the pods refuse another gateway's Release of our sequences
+            if hasattr(client, "owner") and not client.owner:
+                client.owner = self._gateway_id
         self._counter = itertools.count()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
@@ -92,6 +100,7 @@ class Scheduler:
         self._by_request: dict[str, Sequence] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None
         self.num_steps = 0
         self.metrics = metrics or GatewayMetrics()
         self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
@@ -101,19 +110,42 @@ class Scheduler:
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="tandem-scheduler")
+        if self.config.pod_probe_interval_s > 0:
+            self._probe_task = asyncio.create_task(self._probe_loop(), name="tandem-pod-probes")
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._probe_task):
+            if task:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for seq in [*self._running, *self._waiting]:
             seq.fail(Unavailable("server shutting down"))
 
+    @property
+    def gateway_id(self) -> str:
+        """This gateway's id: the prefix of its sequence ids and the owner of its sequences on the pods."""
+        return self._gateway_id
+
     def health(self) -> bool:
-        return self._task is not None and not self._task.done()
+        """Serving: the loop runs and at least one target pod is up (probed, or not failing calls)."""
+        return self._task is not None and not self._task.done() and bool(self.targets.live())
+
+    async def _probe_loop(self) -> None:
+        interval = self.config.pod_probe_interval_s
+        while True:
+            clients = [(pool, c) for pool in (self.targets, self.drafts) for c in pool.clients
+                       if hasattr(c, "health_check")]
+            try:
+                results = await asyncio.gather(*(c.health_check(timeout_s=max(interval, 2.0)) for _, c in clients),
+                                               return_exceptions=True)
+                for (pool, client), ok in zip(clients, results):
+                    pool.set_probe_result(client, ok is True)
+            except Exception:  # never let one bad round end the probing
+                logger.exception("pod health probes failed")
+            await asyncio.sleep(interval)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateChunk]:
         try:
@@ -160,12 +192,7 @@ class Scheduler:
         if self.config.max_prompt_tokens and prompt_len > self.config.max_prompt_tokens:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; this server accepts at most "
                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", "prompt")
-        if max(params.prompt_token_ids) >= self.vocab_size or min(params.prompt_token_ids) < 0:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if any(token >= self.vocab_size for token in params.sampling.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        if params.max_new_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        check_params(params, self.vocab_size)
         if prompt_len + params.max_new_tokens > self.max_context_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_context_len} tokens. However, you requested "
@@ -214,6 +241,8 @@ class Scheduler:
         if active:
             await self.metrics.timed("step", self._step(active))
             self.num_steps += 1
+        elif any(s.no_target_since is not None for s in self._running):
+            await asyncio.sleep(0.05)  # sequences wait for a target pod: poll the pools, do not spin
         self._reap()
 
     def _reap(self) -> None:
@@ -270,10 +299,22 @@ class Scheduler:
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in [*new, *resync]:
             if self._route_target(seq):
+                seq.no_target_since = None
                 groups[seq.target].append(seq)
             else:
-                seq.fail(Unavailable("no target pod is reachable"))
+                self._wait_for_target(seq)
         await asyncio.gather(*(self._prefill_on(pod, group) for pod, group in groups.items()))
+
+    def _wait_for_target(self, seq: Sequence) -> None:
+        """No target pod is up (all restarting or lost): the sequence waits, its committed tokens safe here, and is
+        prefilled on the first pod that comes back — or fails after `no_target_wait_s`."""
+        now = time.monotonic()
+        if seq.no_target_since is None:
+            seq.no_target_since = now
+        if now - seq.no_target_since > self.config.no_target_wait_s:
+            seq.fail(Unavailable("no target pod is reachable"))
+        else:
+            seq.needs_target_prefill = True
 
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
@@ -282,9 +323,11 @@ class Scheduler:
                                    _logprobs(s)) for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
-        except ValueError as exc:
-            for seq in seqs:
-                seq.fail(InvalidRequest(f"target rejected the prompt: {exc}"))
+        except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
+            if len(seqs) > 1:
+                await asyncio.gather(*(self._prefill_on(pod, [seq]) for seq in seqs))
+            else:
+                seqs[0].fail(InvalidRequest(f"target rejected the prompt: {exc}"))
             return
         except PodUnavailable as exc:
             self.targets.mark_down(pod, str(exc))
@@ -326,7 +369,7 @@ class Scheduler:
             if self._route_target(seq) and not seq.needs_target_prefill:
                 groups[seq.target].append(seq)
             elif seq.target is None:
-                seq.fail(Unavailable("no target pod is reachable"))
+                self._wait_for_target(seq)
         verifies = [self._verify_on(pod, group, trees) for pod, group in groups.items()]
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))
@@ -347,9 +390,11 @@ class Scheduler:
                                     decode_steps if not tokens else 1, _logprobs(seq)))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
-        except ValueError as exc:
-            for seq in seqs:
-                seq.fail(GatewayError(f"target rejected the step: {exc}"))
+        except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
+            if len(seqs) > 1:
+                await asyncio.gather(*(self._verify_on(pod, [seq], trees) for seq in seqs))
+            else:
+                seqs[0].fail(GatewayError(f"target rejected the step: {exc}"))
             return
         except PodUnavailable as exc:
             self.targets.mark_down(pod, str(exc))

@@ -40,6 +40,7 @@ class Sequence:
         self.finished = False
         self.aborted = False
         self.needs_target_prefill = False  # set when the target answered STALE: re-sync from `committed`
+        self.no_target_since: float | None = None  # when it found no live target pod (it waits for one, bounded)
         self.draft_synced_len = 0  # committed tokens the draft pod knows; 0 = it must be (re-)prefilled
         self.features = FeatureLog()
         self.target = None  # TargetClient of the pod holding this sequence's KV (sticky while it is up)

@@ -59,6 +59,8 @@ class Tokenizer:
             raise InvalidRequest("this model's tokenizer has no chat template; use /v1/completions instead",
                                  "messages")
         normalized = normalize_messages(messages)
+        for i, message in enumerate(normalized):  # before the template: jinja would fail later with a 500
+            self._check_len(message["content"], None, f"messages[{i}].content")
         try:
             text = self.hf.apply_chat_template(normalized, tokenize=False, add_generation_prompt=True)
         except InvalidRequest:
@@ -69,9 +71,13 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def _check_len(self, text: str, max_len: int | None, param: str) -> None:
+        try:
+            num_bytes = len(text.encode())
+        except UnicodeEncodeError:  # a lone surrogate: no tokenizer can encode it
+            raise InvalidRequest(f"the {param} is not valid Unicode text (lone surrogate)", param) from None
         if max_len is None:
             return
-        min_tokens = -(-len(text.encode()) // self.max_token_bytes)
+        min_tokens = -(-num_bytes // self.max_token_bytes)
         if min_tokens > max_len:
             exc = InvalidRequest(f"This model's maximum context length is {max_len} tokens. However, the {param} "
                                  f"has at least {min_tokens} tokens. Please reduce the length of the {param}.", param)

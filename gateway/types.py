@@ -67,9 +67,17 @@ class DeadlineExceeded(GatewayError):
     error_type = "timeout_error"
 
 
+MAX_SEED = 2**63 - 1  # the pods' per-sequence generators take seeds in [0, 2**63)
+MAX_TOP_K = 2**31 - 1  # int32 on the wire; any k >= the vocabulary keeps every token
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # per position, as OpenAI's API
+
+
 @dataclass(frozen=True)
 class RequestSampling:
-    """Sampling knobs of one request; temperature 0 means greedy."""
+    """Sampling knobs of one request; temperature 0 means greedy. The one check of their domain, shared by the REST
+    and gRPC fronts: every value accepted here is accepted by the pods (a seed of -1 is turned into None, "no seed",
+    by the fronts before it gets here)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -85,8 +93,10 @@ class RequestSampling:
             raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k == 0 or self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k}", "top_k")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest(f"seed must be in [0, 2**63) (-1 or null = no seed), got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
@@ -95,6 +105,28 @@ class RequestSampling:
         if not 0.0 < self.repetition_penalty <= 100.0:
             raise InvalidRequest(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty}",
                                  "repetition_penalty")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_params(params: "GenerateParams", vocab_size: int) -> None:
+    """The request fields beyond sampling that the pods bound, checked once for both fronts (the scheduler's
+    admission): InvalidRequest names the first field out of range."""
+    if params.max_new_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+    ids = params.prompt_token_ids
+    if ids and (max(ids) >= vocab_size or min(ids) < 0):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if any(not _is_int(t) or not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
+    if any(token >= vocab_size for token in params.sampling.logit_bias):
+        raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(params.stop)}", "stop")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
 
 
 @dataclass

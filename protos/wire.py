@@ -9,6 +9,7 @@ import numpy as np
 from protos.tandem.v1 import tandem_pb2
 
 PROTOCOL = "tandem.v1"
+OWNER_METADATA = "x-tandem-owner"  # call metadata: the gateway id that owns the sequences it creates on a pod
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 # Tensor payloads (hidden states) exceed gRPC's 4 MiB default; keepalive lets a dead pod show up within seconds.
 CHANNEL_OPTIONS = [
@@ -18,6 +19,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A restarted pod is used again within about a second (gRPC's default backoff grows to 120 s between attempts).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -91,14 +96,18 @@ def _read(path: str) -> bytes:
 
 
 async def start_server(register, service_names: list[str], host: str, port: int, *, interceptors=(),
-                       credentials=None):
+                       credentials=None, service_api_key: str | None = None):
     """Start a grpc.aio server with health (SERVING) and reflection; returns (server, bound_port, health).
-    credentials: `server_credentials(...)` for a TLS port, None for plaintext."""
+    credentials: `server_credentials(...)` for a TLS port, None for plaintext; service_api_key: every RPC but health
+    checks needs `authorization: Bearer <key>` metadata (else UNAUTHENTICATED)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    from protos.service_auth import BearerTokenInterceptor
+
+    auth = [BearerTokenInterceptor(service_api_key, "service credential")] if service_api_key else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*auth, *interceptors])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

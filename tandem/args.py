@@ -193,7 +193,8 @@ def add_service_ops_args(p: argparse.ArgumentParser, *, launcher: bool = False) 
                    help="first Prometheus /metrics port of the model services: targets, then drafts, count up "
                         "(0 = off; the gateway serves /metrics on --port)" if launcher else
                         "serve Prometheus /metrics over HTTP on this port (0 = off)")
-    g.add_argument("--metrics-host", default="0.0.0.0", help="address of the /metrics HTTP server")
+    g.add_argument("--metrics-host", default=None,
+                   help="address of the /metrics HTTP server (default: --service-host, 127.0.0.1 unless set)")
     g.add_argument("--tls-cert", default=None, help="PEM certificate of the gRPC port (set with --tls-key = TLS)")
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None,
@@ -248,3 +249,34 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
         if getattr(args, "enable_overlap_drafting", False):
             raise SystemExit("error: --speculative-adaptive and --enable-overlap-drafting do not combine")
     return algorithm, steps, topk, ndt
+
+
+def add_hardening_args(p: argparse.ArgumentParser, role: str) -> None:
+    """Credentials and per-call limits (issue 15), in one block. role: serve, target, draft or gateway."""
+    g = p.add_argument_group("service credential and limits")
+    g.add_argument("--service-api-key", default=os.environ.get("TANDEM_SERVICE_API_KEY") or None,
+                   help="shared credential of the model services: target and draft refuse every RPC but health "
+                        "checks without 'authorization: Bearer KEY' metadata, the gateway sends it (default: "
+                        "$TANDEM_SERVICE_API_KEY; `tandem serve` generates one per launch when unset)")
+    if role in ("target", "draft"):
+        g.add_argument("--allow-unauthenticated", action="store_true",
+                       help="serve a non-loopback --service-host without --service-api-key or mTLS (--tls-ca); "
+                            "refused otherwise")
+    if role in ("serve", "target", "draft"):
+        g.add_argument("--seq-idle-ttl", type=float, default=300.0,
+                       help="seconds a sequence may sit on a model service unused before it is freed (its gateway "
+                            "is gone)")
+    if role in ("serve", "target"):
+        g.add_argument("--max-verify-tree-nodes", type=int, default=512,
+                       help="largest draft tree (nodes per sequence) one Verify may carry; bigger ones are refused")
+    if role in ("serve", "gateway"):
+        g.add_argument("--pod-probe-interval", type=float, default=1.0,
+                       help="seconds between the gateway's health probes of every pod (/health is 503 and gRPC "
+                            "health NOT_SERVING while no target pod answers); 0 = no probes")
+        g.add_argument("--no-target-wait", type=float, default=60.0,
+                       help="seconds a request waits for a target pod while none is up (e.g. all restarting) before "
+                            "it fails with 503")
+        g.add_argument("--http-header-timeout", type=float, default=10.0,
+                       help="seconds a client may take to send a request's headers (slow clients are disconnected)")
+        g.add_argument("--http-body-timeout", type=float, default=30.0,
+                       help="seconds a client may take to send a request body (408 after that)")

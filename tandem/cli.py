@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tandem.args import (add_gateway_args, add_model_args, add_parallel_args, add_service_ops_args, add_spec_args,
-                         resolve_spec)
+from tandem.args import (add_gateway_args, add_hardening_args, add_model_args, add_parallel_args,
+                         add_service_ops_args, add_spec_args, resolve_spec)
 from tandem.compat import SERVICE_COMMANDS, add_sglang_compat_args
 
 
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every service")
     add_service_ops_args(serve, launcher=True)
     add_sglang_compat_args(serve)
+    add_hardening_args(serve, "serve")
     _common(serve)
 
     target = sub.add_parser("target", help="run the target service", formatter_class=_HelpFormatter)
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     _service_addr(target, 30010)
     add_service_ops_args(target)
     add_sglang_compat_args(target)
+    add_hardening_args(target, "target")
     _common(target)
 
     draft = sub.add_parser("draft", help="run the draft service", formatter_class=_HelpFormatter)
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _service_addr(draft, 30020)
     add_service_ops_args(draft)
     add_sglang_compat_args(draft)
+    add_hardening_args(draft, "draft")
     _common(draft)
 
     gateway = sub.add_parser("gateway", help="run the gateway (speculative loop, OpenAI REST, gRPC Generate)",
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between re-resolutions of dns:/// pod addresses")
     gateway.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the pods")
     add_sglang_compat_args(gateway)
+    add_hardening_args(gateway, "gateway")
     _common(gateway)
 
     from tandem.envoy import add_envoy_config_args

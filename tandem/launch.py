@@ -1,4 +1,5 @@
-"""`tandem serve`: start target, draft and gateway as child processes, forward Ctrl-C, stop them all cleanly.
+"""`tandem serve`: start target, draft and gateway as child processes, restart a model service that dies (with
+backoff), forward Ctrl-C, stop them all cleanly. The children share a service credential generated per launch.
 
 Each child is the same `tandem <service>` command a compose file or a Kubernetes pod would run, with explicit
 ports and the already-resolved speculative parameters.
@@ -7,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.args import DEFAULT_DRAFT, model_path
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is restarted
+RESTART_RESET_S = 60.0  # a child that stayed up this long restarts after the first wait again
 
 
 def _free_port(host: str) -> int:
@@ -86,10 +92,13 @@ def _service_ops_flags(args: argparse.Namespace, index: int) -> list[str]:
     """Metrics port (the index-th of the range from --metrics-port) and TLS files of one model service."""
     flags = []
     if args.metrics_port:
-        flags += ["--metrics-port", str(args.metrics_port + index), "--metrics-host", args.metrics_host]
+        flags += ["--metrics-port", str(args.metrics_port + index)]
+        if args.metrics_host:
+            flags += ["--metrics-host", args.metrics_host]
     for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
         if value:
             flags += [flag, value]
+    flags += ["--seq-idle-ttl", str(args.seq_idle_ttl)]
     return flags
 
 
@@ -112,7 +121,8 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
     for i in range(args.num_target_replicas):
         port = args.target_port + i if args.target_port else _free_port(host)
         cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
-                               "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i)]
+                               "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
+                               "--max-verify-tree-nodes", str(args.max_verify_tree_nodes)]
         target_addrs.append(f"{host}:{port}")
     if args.speculative_algorithm != "NONE":
         for i in range(args.num_draft_replicas):
@@ -145,14 +155,19 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
         gateway += ["--tokenizer-path", args.tokenizer_path]
     if args.max_prompt_tokens:
         gateway += ["--max-prompt-tokens", str(args.max_prompt_tokens)]
-    gateway += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    gateway += ["--max-request-body-bytes", str(args.max_request_body_bytes),
+                "--pod-probe-interval", str(args.pod_probe_interval), "--no-target-wait", str(args.no_target_wait),
+                "--http-header-timeout", str(args.http_header_timeout),
+                "--http-body-timeout", str(args.http_body_timeout)]
     for flag, value in (("--service-tls-ca", args.service_tls_ca), ("--service-tls-cert", args.service_tls_cert),
                         ("--service-tls-key", args.service_tls_key)):
         if value:
             gateway += [flag, value]
     for name, fraction in gpu_memory_shares(args, list(cmds)).items():
         cmds[name] += ["--mem-fraction-static", str(fraction)]
-    cmds["gateway"] = gateway  # --api-key travels in the environment (TANDEM_API_KEY), not on the command line
+    # --api-key and --service-api-key travel in the environment (TANDEM_API_KEY, TANDEM_SERVICE_API_KEY), never on
+    # the command line (`ps` shows it)
+    cmds["gateway"] = gateway
     if getattr(args, "with_envoy", False):
         cmds["envoy"] = _envoy_command(args, host, temp_dirs)
     return cmds
@@ -286,12 +301,27 @@ def _envoy_up(args: argparse.Namespace) -> bool:
         return False
 
 
+@dataclass
+class _Child:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restart_at: float | None = None  # set while a dead child waits out its backoff
+    num_restarts: int = 0
+    backoff_s: float = RESTART_BACKOFF_S[0]
+
+
 def serve(args: argparse.Namespace) -> int:
+    """Run every child until Ctrl-C / SIGTERM or the gateway's exit. Once the stack is ready, a model service (or
+    envoy) that dies is restarted after a backoff (1 s, doubling to 30 s; back to 1 s once it stayed up a minute)
+    while the others keep running: the gateway moves its sequences to the other replicas meanwhile and back once it
+    answers again. A child that dies before the stack is ready is a start-up failure: everything stops."""
     taken = ports_in_use(args)
     if taken:
         print("error: port in use, nothing started: " + "; ".join(taken), file=sys.stderr, flush=True)
         return 1
-    procs: dict[str, subprocess.Popen] = {}
+    children: dict[str, _Child] = {}
     temp_dirs: list[Path] = []
     stopping = False
 
@@ -304,29 +334,56 @@ def serve(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.api_key:  # keeps the key out of `ps`
         env["TANDEM_API_KEY"] = args.api_key
+    # The model services listen on loopback, but any local user could call them: one credential per launch.
+    env["TANDEM_SERVICE_API_KEY"] = args.service_api_key or secrets.token_urlsafe(32)
+
+    def start(child: _Child) -> None:
+        child.proc = subprocess.Popen(child.cmd, env=env, start_new_session=True)
+        child.started_at, child.restart_at = time.monotonic(), None
+
     started = time.monotonic()
     try:
         cmds = commands(args, temp_dirs)
         print(_summary(args, list(cmds)), flush=True)
         for name, cmd in cmds.items():
-            procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True)
+            children[name] = _Child(name, cmd)
+            start(children[name])
         ready = False
         while not stopping:
-            for name, proc in procs.items():
-                if proc.poll() is not None:
-                    print(f"tandem serve: {name} exited with code {proc.returncode}; stopping", file=sys.stderr)
-                    return proc.returncode or 1
             if not ready and _gateway_up(args) and (not getattr(args, "with_envoy", False) or _envoy_up(args)):
                 ready = True
                 print(_ready_line(args, time.monotonic() - started), flush=True)
+            now = time.monotonic()
+            for child in children.values():
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        child.num_restarts += 1
+                        print(f"tandem serve: restarting {child.name} (restart {child.num_restarts})",
+                              file=sys.stderr, flush=True)
+                        start(child)
+                    continue
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                if child.name == "gateway" or not ready:  # before ready: a start-up failure, not a crash to ride out
+                    print(f"tandem serve: {child.name} exited with code {code}"
+                          f"{'' if ready else ' while starting'}; stopping", file=sys.stderr, flush=True)
+                    return code or 1
+                if now - child.started_at > RESTART_RESET_S:
+                    child.backoff_s = RESTART_BACKOFF_S[0]
+                print(f"tandem serve: {child.name} exited with code {code}; restarting in {child.backoff_s:g}s",
+                      file=sys.stderr, flush=True)
+                child.restart_at = now + child.backoff_s
+                child.backoff_s = min(child.backoff_s * 2, RESTART_BACKOFF_S[1])
             time.sleep(0.2)
         return 0
     finally:
-        for proc in procs.values():  # gateway first would be nicer, but all get SIGTERM and a deadline
+        procs = [c.proc for c in children.values() if c.proc is not None]
+        for proc in procs:  # gateway first would be nicer, but all get SIGTERM and a deadline
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10.0
-        for proc in procs.values():
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -125,11 +125,14 @@ async def run_target(args: argparse.Namespace) -> None:
         runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
     else:
         runner = _build_runner(weights, engine_config)
+    credentials = _server_credentials(args)
+    _check_service_auth(args)
     engine = TargetEngine(runner, **_feature_capture(args, runner))
     _static_verify(engine, args)
     server, port = await serve_target(engine, path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
-                                      credentials=_server_credentials(args))
+                                      credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
+                                      service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
     print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
           + f" in {time.monotonic() - started:.1f} s: {_runner_summary(runner)}", flush=True)
     try:
@@ -242,9 +245,12 @@ async def run_draft(args: argparse.Namespace) -> None:
     from draft_service.server import serve_draft
 
     started = time.monotonic()
+    credentials = _server_credentials(args)
+    _check_service_auth(args)
     proposer, path = build_proposer(args)
     server, port = await serve_draft(proposer, path, args.service_host, args.service_port,
-                                     metrics=_service_metrics(args, "draft"), credentials=_server_credentials(args))
+                                     metrics=_service_metrics(args, "draft"), credentials=credentials,
+                                     service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
     runner = getattr(proposer, "runner", None)
     print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port} in "
           f"{time.monotonic() - started:.1f} s" + (f": {_runner_summary(runner)}" if runner is not None else ""),
@@ -269,7 +275,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
     from gateway.clients import DraftClient, TargetClient
-    from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
+    from gateway.grpc_api import GatewayServicer, follow_health, serve_gateway_grpc
+    from gateway.http_server import uvicorn_config
     from gateway.openai_api import build_app
     from gateway.routing import RoutingConfig
     from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
@@ -279,9 +286,10 @@ async def run_gateway(args: argparse.Namespace) -> None:
     creds = _channel_credentials(args)
     target_specs, draft_specs = _addresses(args.target_address), _addresses(args.draft_address)
     streams = not args.disable_step_streams
-    targets = [TargetClient(a, credentials=creds, step_streams=streams)
+    key = args.service_api_key
+    targets = [TargetClient(a, credentials=creds, step_streams=streams, service_api_key=key)
                for a in await _resolve_all(target_specs, args.startup_timeout)]
-    drafts = [DraftClient(a, credentials=creds, step_streams=streams)
+    drafts = [DraftClient(a, credentials=creds, step_streams=streams, service_api_key=key)
               for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
     print(f"tandem gateway: waiting for {len(targets)} target and {len(drafts)} draft pod(s)", flush=True)
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
@@ -308,7 +316,8 @@ async def run_gateway(args: argparse.Namespace) -> None:
         config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
-                                 num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing)
+                                 num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing,
+                                 pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
@@ -318,19 +327,20 @@ async def run_gateway(args: argparse.Namespace) -> None:
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):
         refresher = asyncio.create_task(_refresh_pods(scheduler, target_specs, draft_specs, args.pod_refresh_interval,
-                                                      creds, streams))
+                                                      creds, streams, key))
     gateway_info = dict(model=name, speculative_algorithm=spec.algorithm, num_steps=spec.num_steps, topk=spec.topk,
                         num_draft_tokens=spec.num_draft_tokens, max_context_len=info.max_context_len,
                         target_addresses=[t.address for t in targets], draft_addresses=[d.address for d in drafts])
     grpc_server = await serve_gateway_grpc(GatewayServicer(scheduler, tokenizer, gateway_info), args.host,
                                            args.grpc_port, api_key=args.api_key)
+    health_follower = asyncio.create_task(follow_health(grpc_server, scheduler.health))
     app = build_app(scheduler, tokenizer, name, max_model_len=info.max_context_len,
                     max_body_bytes=args.max_request_body_bytes, api_key=args.api_key, metrics=scheduler.metrics,
-                    served_model_names=served[1:], model_aliases=aliases)
+                    served_model_names=served[1:], model_aliases=aliases, body_timeout_s=args.http_body_timeout)
     # JSON logs: let uvicorn's loggers propagate to the root handler instead of installing its own text ones.
     log_config = None if args.log_format == "json" else uvicorn.config.LOGGING_CONFIG
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off",
-                            log_config=log_config)
+    config = uvicorn_config(app, args.host, args.port, header_timeout_s=args.http_header_timeout,
+                            log_level="warning", lifespan="off", log_config=log_config, timeout_graceful_shutdown=5)
     http = uvicorn.Server(config)
     try:
         serving = asyncio.create_task(http.serve())  # returns on SIGINT/SIGTERM (uvicorn installs the handlers)
@@ -341,6 +351,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
                   f"model={name} speculative={spec.algorithm}", flush=True)
         await serving
     finally:
+        health_follower.cancel()
         if refresher is not None:
             refresher.cancel()
         await grpc_server.stop(grace=1.0)
@@ -361,8 +372,9 @@ def _service_metrics(args: argparse.Namespace, service: str):
     from tandem.observability import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(service)
-    server = start_metrics_server(metrics.registry, args.metrics_host, args.metrics_port)
-    logger.info("%s metrics on http://%s:%d/metrics", service, args.metrics_host, server.server_port)
+    host = args.metrics_host or args.service_host  # never wider than the service itself
+    server = start_metrics_server(metrics.registry, host, args.metrics_port)
+    logger.info("%s metrics on http://%s:%d/metrics", service, host, server.server_port)
     return metrics
 
 
@@ -377,6 +389,24 @@ def _server_credentials(args: argparse.Namespace):
     from protos.wire import server_credentials
 
     return server_credentials(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def _check_service_auth(args: argparse.Namespace) -> None:
+    """A model service reachable beyond this machine needs a credential: the service key or client certificates."""
+    import ipaddress
+
+    if args.service_api_key or args.tls_ca or args.allow_unauthenticated:
+        return
+    host = args.service_host
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise SystemExit(f"error: --service-host {host} serves beyond this machine: set --service-api-key (or "
+                         "$TANDEM_SERVICE_API_KEY), or mTLS with --tls-ca, or pass --allow-unauthenticated")
+    if args.service_api_key is None:
+        logger.warning("no --service-api-key: any local process can call this service")
 
 
 def _channel_credentials(args: argparse.Namespace):
@@ -406,17 +436,17 @@ async def _resolve_all(specs: list[str], deadline_s: float) -> list[str]:
 
 
 async def _refresh_pods(scheduler, target_specs: list[str], draft_specs: list[str], interval_s: float,
-                        credentials=None, step_streams: bool = True) -> None:
+                        credentials=None, step_streams: bool = True, service_api_key: str | None = None) -> None:
     """Follow scaling: re-resolve dns:/// names and let the pod pools add or retire pods."""
     from gateway.clients import DraftClient, TargetClient
     from gateway.pods import resolve
 
     while True:
         await asyncio.sleep(interval_s)
-        for specs, pool, factory in ((target_specs, scheduler.targets,
-                                      lambda a: TargetClient(a, credentials=credentials, step_streams=step_streams)),
-                                     (draft_specs, scheduler.drafts,
-                                      lambda a: DraftClient(a, credentials=credentials, step_streams=step_streams))):
+        kwargs = dict(credentials=credentials, step_streams=step_streams, service_api_key=service_api_key,
+                      owner=scheduler.gateway_id)
+        for specs, pool, factory in ((target_specs, scheduler.targets, lambda a: TargetClient(a, **kwargs)),
+                                     (draft_specs, scheduler.drafts, lambda a: DraftClient(a, **kwargs))):
             found = sorted({a for spec in specs for a in await asyncio.to_thread(lambda s=spec: resolve(s))})
             if found or not specs:  # an empty answer is more likely a DNS hiccup than zero pods: keep what we have
                 _, removed = pool.update(found, factory)

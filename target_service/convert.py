@@ -1,17 +1,41 @@
-"""Wire ↔ engine conversion for the target service (the only place besides the servicer that sees *_pb2)."""
+"""Wire ↔ engine conversion for the target service (the only place besides the servicer that sees *_pb2).
+
+Every per-sequence field is checked here against the domain the engine accepts (vocabulary, tree size, sampling
+ranges, logprobs); a sequence that fails becomes an INVALID `StepOutput` of its own, so one bad sequence never fails
+the other sequences of its batch.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_to_pb
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillInput, StepOutput, StopRule,
+from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillInput, Status, StepOutput, StopRule,
                                    VerifyInput)
 
+DEFAULT_MAX_TREE_NODES = 512  # draft nodes one Verify may carry per sequence (--max-verify-tree-nodes)
 
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-call bounds of the target service: token ids below `vocab_size`, trees of at most `max_tree_nodes`."""
+
+    vocab_size: int
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
+
+
+def sampling_from_pb(msg: pb.SamplingParams, vocab_size: int | None = None) -> SamplingParams:
+    """ValueError for values outside the engine's domain (0 is 'unset' for top_p, top_k and repetition_penalty)."""
+    if msg.top_k < -1:
+        raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {msg.top_k}")
+    if msg.top_p != 0.0 and not 0.0 < msg.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (0 = unset), got {msg.top_p}")
+    if vocab_size is not None and any(t >= vocab_size for t in msg.logit_bias):
+        raise ValueError(f"logit_bias names a token id outside the vocabulary ({vocab_size})")
     top_k = msg.top_k if msg.top_k > 0 else -1
-    top_p = msg.top_p if 0.0 < msg.top_p <= 1.0 else 1.0
+    top_p = msg.top_p if msg.top_p != 0.0 else 1.0
     seed = msg.seed if msg.HasField("seed") else None
     return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=top_k, seed=seed,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
@@ -24,8 +48,12 @@ def stop_from_pb(msg: pb.StopParams) -> StopRule:
                     ignore_eos=msg.ignore_eos, prompt_len=msg.prompt_len)
 
 
-def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
-    return DraftTree(list(msg.token_ids), list(msg.parents))
+def tree_from_pb(msg: pb.DraftTree, limits: Limits | None = None) -> DraftTree:
+    if limits is not None and len(msg.token_ids) > limits.max_tree_nodes:
+        raise ValueError(f"draft tree of {len(msg.token_ids)} nodes exceeds {limits.max_tree_nodes}")
+    tree = DraftTree(list(msg.token_ids), list(msg.parents))
+    tree.validate(limits.vocab_size if limits is not None else None)
+    return tree
 
 
 def logprobs_from_pb(msg) -> int:
@@ -35,21 +63,48 @@ def logprobs_from_pb(msg) -> int:
     return msg.top_logprobs if msg.return_logprobs else -1
 
 
-def prefill_inputs(request: pb.TargetPrefillRequest) -> list[PrefillInput]:
-    return [PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
-                         sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop),
-                         return_features=s.return_hidden, logprobs=logprobs_from_pb(s)) for s in request.seqs]
+def prefill_inputs(request: pb.TargetPrefillRequest, limits: Limits | None = None
+                   ) -> list[PrefillInput | StepOutput]:
+    """One PrefillInput per sequence, or an INVALID StepOutput for a sequence whose fields are out of range."""
+    vocab = limits.vocab_size if limits is not None else None
+
+    def one(s: pb.TargetPrefillSeq) -> PrefillInput:
+        if vocab is not None and any(t >= vocab for t in s.token_ids):
+            raise ValueError(f"token id {max(s.token_ids)} outside the vocabulary ({vocab})")
+        return PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
+                            sampling=sampling_from_pb(s.sampling, vocab), stop=stop_from_pb(s.stop),
+                            return_features=s.return_hidden, logprobs=logprobs_from_pb(s))
+
+    return _per_seq(request.seqs, one)
 
 
-def verify_inputs(request: pb.VerifyRequest) -> list[VerifyInput]:
-    too_many = [s.num_decode_steps for s in request.seqs if s.num_decode_steps > MAX_DECODE_STEPS]
-    if too_many:
-        raise ValueError(f"num_decode_steps {max(too_many)} exceeds {MAX_DECODE_STEPS}")
-    return [VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
-                        tree=tree_from_pb(s.tree), sampling=sampling_from_pb(s.sampling), stop=stop_from_pb(s.stop),
-                        return_features=s.return_hidden, num_decode_steps=max(1, s.num_decode_steps),
-                        logprobs=logprobs_from_pb(s))
-            for s in request.seqs]
+def verify_inputs(request: pb.VerifyRequest, limits: Limits | None = None) -> list[VerifyInput | StepOutput]:
+    """One VerifyInput per sequence, or an INVALID StepOutput for a sequence whose fields are out of range."""
+    vocab = limits.vocab_size if limits is not None else None
+
+    def one(s: pb.VerifySeq) -> VerifyInput:
+        if s.num_decode_steps > MAX_DECODE_STEPS:
+            raise ValueError(f"num_decode_steps {s.num_decode_steps} exceeds {MAX_DECODE_STEPS}")
+        if vocab is not None and s.root_token_id >= vocab:
+            raise ValueError(f"root token id {s.root_token_id} outside the vocabulary ({vocab})")
+        return VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
+                           tree=tree_from_pb(s.tree, limits), sampling=sampling_from_pb(s.sampling, vocab),
+                           stop=stop_from_pb(s.stop), return_features=s.return_hidden,
+                           num_decode_steps=max(1, s.num_decode_steps), logprobs=logprobs_from_pb(s))
+
+    return _per_seq(request.seqs, one)
+
+
+def split(items: list) -> tuple[list, list[StepOutput | None]]:
+    """(the valid inputs, a slot per item: its INVALID output, or None where the engine's output goes)."""
+    valid = [i for i in items if not isinstance(i, StepOutput)]
+    return valid, [i if isinstance(i, StepOutput) else None for i in items]
+
+
+def merge(slots: list[StepOutput | None], outputs: list[StepOutput]) -> list[StepOutput]:
+    """The engine's outputs put back in request order beside the INVALID ones."""
+    it = iter(outputs)
+    return [slot if slot is not None else next(it) for slot in slots]
 
 
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
@@ -69,6 +124,19 @@ def verify_result(out: StepOutput) -> pb.VerifyResult:
     if out.features is not None:
         msg.hidden.CopyFrom(tensor_to_pb(out.features))
     return msg
+
+
+def _per_seq(seqs, build) -> list:
+    items, seen = [], set()
+    for s in seqs:
+        try:
+            if s.seq_id in seen:
+                raise ValueError("the sequence appears twice in one call")
+            items.append(build(s))
+        except ValueError as exc:
+            items.append(StepOutput(s.seq_id, status=Status.INVALID, error=str(exc)))
+        seen.add(s.seq_id)
+    return items
 
 
 def _logprobs_pb(out: StepOutput) -> list[pb.TokenLogprob]:

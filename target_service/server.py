@@ -3,15 +3,17 @@
 Model work is serialised (one batched forward at a time) by a ModelWorker: step calls (Verify of a tree, or of up to
 INLINE_MAX_DECODE_STEPS decode steps) run inline on the event loop, which saves the worker-thread round trip on every
 step; Prefill and longer calls run on the worker thread so the loop stays free for health checks and new calls.
-Input errors become INVALID_ARGUMENT; nothing here holds state of its own.
+A sequence with out-of-range input (token ids past the vocabulary, an oversized tree, sampling values the engine
+refuses, a sequence another gateway owns) gets an INVALID result of its own; the rest of its batch runs. Sequences
+unused for the idle TTL are freed (protos/leases.py). Nothing here holds model state.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
-import grpc
-
+from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -26,11 +28,14 @@ INLINE_MAX_DECODE_STEPS = 16
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True):
+    def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True,
+                 max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
         self.engine = engine
+        self.leases = SeqLeases(seq_idle_ttl_s)  # owner and last use of every sequence
         self.model_path = model_path
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self.worker = ModelWorker("target-model", inline_steps)
+        self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -39,11 +44,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def Prefill(self, request: pb.TargetPrefillRequest, context) -> pb.TargetPrefillResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.prefill_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        outputs = await self.worker.run(self.engine.prefill, inputs)
+        owner = caller(context)
+        inputs, slots = convert.split(self._owned(convert.prefill_inputs(request, self.limits), owner))
+        self.leases.claim([inp.seq_id for inp in inputs], owner)
+        outputs = convert.merge(slots, await self.worker.run(self.engine.prefill, inputs) if inputs else [])
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.TargetPrefillResponse(
@@ -61,12 +65,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def _verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         start = time.perf_counter()
-        try:
-            inputs = convert.verify_inputs(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        inputs, slots = convert.split(self._owned(convert.verify_inputs(request, self.limits), caller(context)))
+        self.leases.touch([inp.seq_id for inp in inputs])
         bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
-        outputs = await self.worker.run(self.engine.verify, inputs, inline=bounded)
+        outputs = convert.merge(slots, await self.worker.run(self.engine.verify, inputs, inline=bounded)
+                                if inputs else [])
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", self.engine.last_forward_ms / 1e3, len(inputs))
         return pb.VerifyResponse(
@@ -75,8 +78,36 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                    total_ms=(time.perf_counter() - start) * 1e3))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        released = await self.worker.run(self.engine.release, list(request.seq_ids), inline=True)
+        owner = caller(context)
+        seq_ids = [s for s in request.seq_ids if self.leases.allows(s, owner)]  # another owner's: left alone
+        released = await self.worker.run(self.engine.release, seq_ids, inline=True)
+        self.leases.forget(seq_ids)
         return pb.ReleaseResponse(num_released=released, memory=self._memory())
+
+    def _owned(self, items: list, owner: str) -> list:
+        """Inputs naming a sequence another gateway owns become INVALID outputs."""
+        return [convert.StepOutput(i.seq_id, status=convert.Status.INVALID, error="the sequence belongs to another "
+                                   "gateway") if not isinstance(i, convert.StepOutput)
+                and not self.leases.allows(i.seq_id, owner) else i for i in items]
+
+    async def free_idle(self) -> int:
+        """Free the sequences no call has used within the idle TTL (their gateway is gone); returns how many."""
+        idle = self.leases.idle()
+        if not idle:
+            return 0
+        released = await self.worker.run(self.engine.release, idle, inline=True)
+        self.leases.forget(idle)
+        if released:
+            logger.warning("freed %d sequences idle for more than %.0fs", released, self.leases.idle_ttl_s)
+        return released
+
+    async def free_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.leases.idle_ttl_s / 4, 10.0))
+            try:
+                await self.free_idle()
+            except Exception:  # never let one failed sweep end the sweeping
+                logger.exception("freeing idle sequences failed")
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         cfg = self.engine.runner.model_config
@@ -88,11 +119,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
 
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
-                       credentials=None, inline_steps: bool = True):
-    """Start the target gRPC server; returns (server, bound_port).
+                       credentials=None, inline_steps: bool = True,
+                       max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, service_api_key: str | None = None,
+                       seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+    """Start the target gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
+    health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread."""
-    servicer = TargetServicer(engine, model_path, metrics, inline_steps)
+    servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s)
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
@@ -103,7 +137,9 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,
-        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials)
+        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
+        service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
+    server.idle_sweeper = asyncio.create_task(servicer.free_idle_forever())  # ends with the event loop
     logger.info("target service listening on %s:%d", host, bound)
     return server, bound

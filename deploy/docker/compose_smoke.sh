@@ -189,6 +189,8 @@ if [ -n "$(find "$MODELS" ! -perm -o+r -print -quit)" ]; then
     echo "     models/ is not world-readable (umask $(umask)): mounting a readable copy, $MODELS"
 fi
 export TANDEM_MODELS_DIR=$MODELS
+# The model services refuse to start without the shared service credential (docker-compose.yml): one per smoke run.
+export TANDEM_SERVICE_API_KEY=${TANDEM_SERVICE_API_KEY:-$("$PY" -c 'import secrets; print(secrets.token_hex(32))')}
 EDGE_PORT=${TANDEM_SMOKE_EDGE_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 export TANDEM_EDGE_PORT=$EDGE_PORT
 EDGE=127.0.0.1:$EDGE_PORT

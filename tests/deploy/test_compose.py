@@ -189,3 +189,9 @@ def test_dockerfile_builds_offline_from_a_wheelhouse():
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored and ".wheelhouse" not in ignored
     assert ".wheelhouse/" in (REPO_ROOT / ".gitignore").read_text().split()
+def test_model_services_get_the_service_key_and_publish_nothing(compose):
+    """Issue 15 §2: target, draft and gateway take TANDEM_SERVICE_API_KEY from the shell / .env; only envoy publishes
+    a host port."""
+    for name in ("target", "draft", "gateway"):
+        assert "TANDEM_SERVICE_API_KEY" in compose["services"][name]["environment"], name
+    assert [n for n, s in compose["services"].items() if "ports" in s] == ["envoy"]

@@ -212,3 +212,24 @@ def test_adapter_rules_query_a_series_the_gateway_really_exports():
     for rule in [*values["rules"]["custom"], *values["rules"]["external"]]:
         series = re.match(r"[\w:]+", rule["seriesQuery"]).group(0)
         assert series in exported, f"{series} is not exported by the gateway"
+
+
+def test_model_services_need_the_service_key_and_only_gateways_reach_them():
+    """Issue 15 §2: target, draft and gateway read TANDEM_SERVICE_API_KEY from one Secret; NetworkPolicies admit only
+    gateway pods to the model services' gRPC ports."""
+    deployments = _by_kind("Deployment")
+    for name in ("tandem-target", "tandem-draft", "tandem-gateway"):
+        [container] = deployments[name]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env", [])}
+        ref = env["TANDEM_SERVICE_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "tandem-service-key", "key": "TANDEM_SERVICE_API_KEY"}, name
+    policies = _by_kind("NetworkPolicy")
+    gateway_labels = deployments["tandem-gateway"]["spec"]["template"]["metadata"]["labels"]
+    for name, port in (("tandem-target", 30010), ("tandem-draft", 30020)):
+        pod_labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+        [policy] = [p for p in policies.values()
+                    if p["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        grpc_rules = [r for r in policy["spec"]["ingress"] if {"protocol": "TCP", "port": port} in r["ports"]]
+        assert grpc_rules and all(src["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+                                  for r in grpc_rules for src in r["from"])

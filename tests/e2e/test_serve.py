@@ -23,6 +23,8 @@ from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.args import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
+SERVICE_KEY = "e2e-service-key"  # the model services' credential (tandem serve would generate one)
+SERVICE_AUTH = (("authorization", f"Bearer {SERVICE_KEY}"),)
 
 
 def _free_port() -> int:
@@ -36,7 +38,8 @@ class Stack:
         self.http, self.grpc, self.target, self.draft = (_free_port() for _ in range(4))
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(self.http), "--grpc-port", str(self.grpc),
                "--target-port", str(self.target), "--draft-port", str(self.draft), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_SERVICE_API_KEY=SERVICE_KEY)
+        self.proc = subprocess.Popen(cmd, env=env)
         self.base_url = f"http://127.0.0.1:{self.http}"
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
@@ -58,7 +61,8 @@ class Stack:
 
     def target_memory(self) -> pb.MemoryState:
         with grpc.insecure_channel(f"127.0.0.1:{self.target}") as ch:
-            return pb_grpc.TargetServiceStub(ch).Info(pb.InfoRequest(), timeout=10).memory
+            stub = pb_grpc.TargetServiceStub(ch)
+            return stub.Info(pb.InfoRequest(), timeout=10, metadata=SERVICE_AUTH).memory
 
 
 @pytest.fixture(scope="module")

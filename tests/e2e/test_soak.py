@@ -26,6 +26,8 @@ from tests.e2e.helpers import free_port as _free_port
 from tests.e2e.helpers import tiny_model_with_tokenizer
 
 pytestmark = pytest.mark.slow
+SERVICE_KEY = "e2e-service-key"  # the model services' credential (tandem serve would generate one)
+SERVICE_AUTH = (("authorization", f"Bearer {SERVICE_KEY}"),)
 CONCURRENCY = 32
 MAX_TOKENS = 48
 RSS_TOLERANCE_BYTES = 48 << 20  # allocator noise; a leak of KV or per-sequence state grows far past it
@@ -48,7 +50,8 @@ class ServeStack:
                "--target-port", str(self.ports["target"]), "--draft-port", str(self.ports["draft"]),
                "--metrics-port", str(self.ports["metrics"]), "--metrics-host", "127.0.0.1",
                "--max-running-requests", "64", "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_SERVICE_API_KEY=SERVICE_KEY)
+        self.proc = subprocess.Popen(cmd, env=env)
         self.base_url = f"http://127.0.0.1:{self.ports['http']}"
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
@@ -71,7 +74,7 @@ class ServeStack:
     def memory(self, kind: str) -> pb.MemoryState:
         stub = pb_grpc.TargetServiceStub if kind == "target" else pb_grpc.DraftServiceStub
         with grpc.insecure_channel(f"127.0.0.1:{self.ports[kind]}") as ch:
-            return stub(ch).Info(pb.InfoRequest(), timeout=10).memory
+            return stub(ch).Info(pb.InfoRequest(), timeout=10, metadata=SERVICE_AUTH).memory
 
     def wait_all_kv_free(self, timeout_s: float = 30.0) -> dict[str, pb.MemoryState]:
         deadline = time.monotonic() + timeout_s

@@ -92,6 +92,9 @@ async def test_generate_returns_logprobs_per_token_when_asked(stub, backend, tok
     dict(text="hi", return_logprobs=True, top_logprobs=21),
     dict(text="hi", presence_penalty=2.5),
     dict(text="hi", repetition_penalty=-1.0),
+    # issue 15 §6: refused as REST refuses them, not silently reset
+    dict(text="hi", top_p=1.5), dict(text="hi", top_p=-0.2), dict(text="hi", top_k=-7),
+    dict(text="hi", stop=[f"s{i}" for i in range(17)]), dict(text="hi", seed=2**63),
 ])
 async def test_bad_input_is_invalid_argument(stub, backend, request_kwargs):
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -48,3 +48,22 @@ def test_resolve_expands_dns_names_and_keeps_plain_addresses():
     assert resolve("10.1.2.3:50") == ["10.1.2.3:50"]
     assert "127.0.0.1:7000" in resolve("dns:///localhost:7000")
     assert resolve("dns:///no-such-host.invalid:7000") == []
+
+
+def test_a_pod_failing_its_health_probes_stays_down_until_one_succeeds():
+    from gateway.pods import PodPool
+
+    class Client:
+        def __init__(self, address):
+            self.address = address
+
+    a, b = Client("a:1"), Client("b:1")
+    pool = PodPool([a, b], retry_s=0.0)
+    pool.set_probe_result(a, False)
+    assert pool.live() == [a, b]  # one slow answer does not take it out
+    pool.set_probe_result(a, False)
+    assert pool.live() == [b] and pool.is_down(a)
+    pool.set_probe_result(a, False)
+    assert pool.is_down(a)  # not a time window: down for as long as it fails
+    pool.set_probe_result(a, True)
+    assert pool.live() == [a, b]
