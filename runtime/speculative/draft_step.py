@@ -120,6 +120,10 @@ class StaticDraftStep(StaticStep):
         width = steps * k
         ancestors = torch.zeros(b, k, width, dtype=torch.uint8, device=dev)
         eye = torch.eye(k, dtype=torch.uint8, device=dev)
+        # The tree steps' constant metadata, made once (each op is a node of the graph, replayed every Propose).
+        query_start_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * k
+        node_offsets = torch.arange(k, device=dev)
+        all_tree = torch.ones(b, dtype=torch.int32, device=dev)
         for step in range(1, steps):
             s = step - 1  # the builder step whose nodes are forwarded now
             if s > 0:
@@ -129,15 +133,14 @@ class StaticDraftStep(StaticStep):
                 ranks = torch.zeros_like(nodes.parents)
             ancestors[:, :, s * k:(s + 1) * k] |= eye  # each node sees itself
             feats = parent_hidden.gather(1, ranks.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
-            region = kv_after.unsqueeze(1) + s * k + torch.arange(k, device=dev)  # (b, k) KV indices
+            region = kv_after.unsqueeze(1) + s * k + node_offsets  # (b, k) KV indices
             block = tables.gather(1, (region // self.block_size).to(torch.long)).to(torch.long)
             node_slots = block * self.block_size + region % self.block_size
             positions = (kv_after + s).unsqueeze(1).expand(b, k)
             backend.use_static_metadata(
                 slot_mapping=node_slots.reshape(-1), block_tables=tables,
-                query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * k,
-                kv_lens=kv_after32 + (s + 1) * k, prefix_lens=kv_after32, max_query_len=k,
-                tree_mask=ancestors.reshape(b * k, width), use_tree=torch.ones(b, dtype=torch.int32, device=dev))
+                query_start=query_start_k, kv_lens=kv_after32 + (s + 1) * k, prefix_lens=kv_after32,
+                max_query_len=k, tree_mask=ancestors.reshape(b * k, width), use_tree=all_tree)
             extra = {"input_features": feats.reshape(b * k, -1)} if self.feature_head else {}
             out = model(self._to_target(nodes.tokens).reshape(-1), positions.reshape(-1), backend, kv_pool, None,
                         **extra)
