@@ -148,7 +148,7 @@ class StaticVerifyStep(StaticStep):
             self.put_table(host[i], item.block_table)
         data = self.execute(host).cpu()  # the one device->host copy of a Verify
         head = bs * (2 * w + 1) * 8
-        result = data[:head].view(torch.int64).view(bs, 2 * w + 1).tolist()
+        result = data[:head].view(torch.int64).view(bs, 2 * w + 1).numpy().tolist()  # host memory already
         feats = None
         if self.capture_layers:
             feats = data[head:].view(self.runner.dtype).view(bs, w, self.feature_dim)

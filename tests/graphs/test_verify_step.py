@@ -127,3 +127,27 @@ async def test_static_steps_through_the_services_match_hf(tmp_path, algorithm, s
             step = scheduler.test_proposer._static_steps[spec]
             assert step.num_replays > 0
         await _assert_no_kv_leak(scheduler)
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_one_readback_per_static_verify(llama, batch, monkeypatch):
+    """A greedy Verify through the static step reads the device back once, whatever the batch."""
+    from runtime.sampling import SamplingParams
+    from runtime.speculative.tree import DraftTree
+    from target_service.engine import PrefillInput, StopRule, VerifyInput
+    from tests.graphs.test_draft_step import ReadbackCounter
+
+    engine = TargetEngine(ModelRunner(llama, _config(max_total_tokens=4096)))
+    assert engine.enable_static_verify(TREE.num_draft_tokens, max_bs=8)
+    ids = [f"v{i}" for i in range(batch)]
+    stop = StopRule(64, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0)
+    outs = engine.prefill([PrefillInput(s, [3 + i, 9, 27, 81, 200], True, greedy, stop) for i, s in
+                           enumerate(ids)])
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 2])  # num_draft_tokens - 1 nodes
+    inputs = [VerifyInput(o.seq_id, 6, o.token_ids[-1], tree, greedy, stop) for o in outs]
+    counter = ReadbackCounter(monkeypatch)
+    results = engine.verify(inputs)
+    assert counter.count == 1
+    monkeypatch.undo()
+    assert all(r.token_ids for r in results) and engine._static_verify.num_replays == 1
