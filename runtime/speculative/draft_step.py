@@ -147,10 +147,7 @@ class StaticDraftStep(StaticStep):
             logits = model.compute_logits(out.hidden)  # (b*k, V)
             parent_hidden = out.hidden.view(b, k, -1)
             nodes = builder.next(torch.log_softmax(logits.float(), dim=-1).view(b, k, -1))
-        levels = builder._levels
-        tokens, parents, count = select_tree_device(
-            torch.cat([lv.scores for lv in levels], dim=1), torch.cat([lv.tokens for lv in levels], dim=1),
-            torch.cat([lv.parents for lv in levels], dim=1), shape.num_draft_tokens - 1)
+        tokens, parents, count = select_tree_device(*builder.candidates(), shape.num_draft_tokens - 1)
         mapped = torch.where(tokens >= 0, self._to_target(tokens.clamp(min=0)), tokens)
         return torch.cat([mapped, parents, count.unsqueeze(1)], dim=1)
 

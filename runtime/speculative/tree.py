@@ -173,13 +173,21 @@ class BeamTreeBuilder:
         parent_regions = (step - 1) * k + best // k  # the parent is beam rank best // k of the previous step
         return StepNodes(step, tokens, parent_regions, needs_forward=step < self.num_steps - 1)
 
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every candidate so far in flat-index order (level by level): (cumulative scores, tokens, parents as flat
+        indices, -1 = the root), each (b, C), on the device (draft_step.select_tree_device re-ranks them there)."""
+        if not self._levels:
+            raise RuntimeError("call first() first")
+        return tuple(torch.cat([getattr(lv, name) for lv in self._levels], dim=1)
+                     for name in ("scores", "tokens", "parents"))
+
     def finalize(self) -> list[DraftTree]:
         """Pick the best num_draft_tokens - 1 candidates per sequence with ancestor closure, parents first."""
         if not self._levels:
             raise RuntimeError("call first() before finalize()")
-        scores = torch.cat([lv.scores for lv in self._levels], dim=1).tolist()  # (b, C)
-        tokens, parents = host_rows(torch.cat([lv.tokens for lv in self._levels], dim=1),
-                                    torch.cat([lv.parents for lv in self._levels], dim=1))  # (b, C) each
+        scores, tokens, parents = self.candidates()
+        scores = scores.tolist()  # (b, C)
+        tokens, parents = host_rows(tokens, parents)  # (b, C) each
         budget = self.num_draft_tokens - 1
         return [_select_closed(s, t, p, budget) for s, t, p in zip(scores, tokens, parents)]
 

@@ -58,18 +58,15 @@ def test_device_selection_equals_the_host_frontier_selection():
         for _ in range(1, steps):
             nodes = builder.next(torch.log_softmax(torch.randn(b, k, vocab, generator=gen), dim=-1))
         want = builder.finalize()
-        levels = builder._levels
-        scores = torch.cat([lv.scores for lv in levels], 1)
-        tokens, parents, count = select_tree_device(scores, torch.cat([lv.tokens for lv in levels], 1),
-                                                    torch.cat([lv.parents for lv in levels], 1), 8)
+        scores, all_tokens, all_parents = builder.candidates()
+        tokens, parents, count = select_tree_device(scores, all_tokens, all_parents, 8)
         for i, tree in enumerate(want):
             n = int(count[i])
             assert tokens[i, :n].tolist() == tree.token_ids
             assert parents[i, :n].tolist() == tree.parents
             assert (tokens[i, n:] == -1).all()
         # and the host reference itself on the same candidates
-        host = _select_closed(scores[0].tolist(), torch.cat([lv.tokens for lv in levels], 1)[0].tolist(),
-                              torch.cat([lv.parents for lv in levels], 1)[0].tolist(), 8)
+        host = _select_closed(scores[0].tolist(), all_tokens[0].tolist(), all_parents[0].tolist(), 8)
         assert host.token_ids == want[0].token_ids
 
 
