@@ -60,7 +60,10 @@ async def test_slowloris_connections_are_closed_and_service_goes_on(server):
     for _ in range(3):  # keep trickling header bytes: that must not extend the deadline
         await asyncio.sleep(0.3)
         for _, writer in conns[1::2]:
-            writer.write(b"X")
+            try:
+                writer.write(b"X")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # on a loaded box the deadline may already have closed it: what the test wants anyway
     # Without the header deadline they are held forever; with it they go after ~1 s (20 s: slack for a loaded box).
     closed = await asyncio.gather(*(_closed_by_server(r, HEADER_TIMEOUT_S + 20) for r, _ in conns))
     held = len(closed) - sum(closed)
