@@ -23,10 +23,19 @@ RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is
 RESTART_RESET_S = 60.0  # a child that stayed up this long restarts after the first wait again
 
 
+_TAKEN: set[int] = set()  # ports this launch handed out or must leave alone (the gateway's, Envoy's)
+
+
 def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A free port for a child, never one of the fixed ports nor one already handed out: the OS may offer the
+    gateway's --port (free until the gateway binds it) to a model service started first."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
 
 
 def _model_flags(args: argparse.Namespace) -> list[str]:
@@ -116,6 +125,7 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
     temp_dirs: collects folders made for the children (Envoy's config) for the caller to remove."""
     base = [sys.executable, "-m", "tandem.cli"]
     host = "127.0.0.1"
+    _TAKEN.update(p for p in (args.port, args.grpc_port, getattr(args, "envoy_port", None)) if p)
     cmds: dict[str, list[str]] = {}
     target_addrs, draft_addrs = [], []
     for i in range(args.num_target_replicas):
@@ -282,13 +292,14 @@ def _summary(args: argparse.Namespace, names: list[str]) -> str:
 
 def _gateway_up(args: argparse.Namespace) -> bool:
     """True once the gateway answers /health on its HTTP port."""
+    import http.client
     import urllib.request
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     try:
         with urllib.request.urlopen(f"http://{host}:{args.port}/health", timeout=1.0) as response:
             return response.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not up yet, or not HTTP (yet) on that port
         return False
 
 
