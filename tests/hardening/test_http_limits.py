@@ -64,8 +64,9 @@ async def test_slowloris_connections_are_closed_and_service_goes_on(server):
                 writer.write(b"X")
             except (BrokenPipeError, ConnectionResetError):
                 pass  # on a loaded box the deadline may already have closed it: what the test wants anyway
-    # Without the header deadline they are held forever; with it they go after ~1 s (20 s: slack for a loaded box).
-    closed = await asyncio.gather(*(_closed_by_server(r, HEADER_TIMEOUT_S + 20) for r, _ in conns))
+    # Without the header deadline they are held forever; with it they go after ~1-5 s (60 s: slack for a loaded box;
+    # 1 of 250 outlived 21 s once in a full run on 2 busy cores).
+    closed = await asyncio.gather(*(_closed_by_server(r, HEADER_TIMEOUT_S + 60) for r, _ in conns))
     held = len(closed) - sum(closed)
     print(f"slowloris: 250 half-open connections, {held} still held after the header timeout")
     assert held == 0
