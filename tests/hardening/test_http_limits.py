@@ -46,8 +46,10 @@ async def _closed_by_server(reader: asyncio.StreamReader, timeout_s: float) -> b
             while await reader.read(4096):
                 pass
         return True
-    except (TimeoutError, ConnectionResetError):
-        return False
+    except TimeoutError:
+        return False  # still held
+    except OSError:  # reset / broken pipe: the server dropped it
+        return True
 
 
 async def test_slowloris_connections_are_closed_and_service_goes_on(server):
@@ -55,7 +57,10 @@ async def test_slowloris_connections_are_closed_and_service_goes_on(server):
     conns = []
     for i in range(250):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half of them: nothing
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"")  # half of them: nothing
+        except OSError:
+            pass  # already dropped by the server (a slow, loaded box)
         conns.append((reader, writer))
     for _ in range(3):  # keep trickling header bytes: that must not extend the deadline
         await asyncio.sleep(0.3)
