@@ -50,6 +50,9 @@ CONFIGS = {
     "EAGLE-tree": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "5",
                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
 }
+# The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
+CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
+                if name != "AR" and "--disable-static-draft-step" not in flags})
 
 
 def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str] | list[list[int]]:
@@ -88,7 +91,16 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        grpc.channel_ready_future(channel).result(timeout=300)
+        deadline = time.monotonic() + 300
+        while True:  # ready, or fail at once when tandem serve gave up (a child died while starting)
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: tandem serve exited with {proc.returncode} before it was ready")
+            try:
+                grpc.channel_ready_future(channel).result(timeout=2)
+                break
+            except grpc.FutureTimeoutError:
+                if time.monotonic() > deadline:
+                    raise
         stub = pb_grpc.GatewayStub(channel)
         stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
         stub_generate(stub, prompts[0], 8, args)  # warm-up

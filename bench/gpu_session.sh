@@ -2,7 +2,7 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -21,13 +21,17 @@ M=models/tandem-demo-code
 for s in $STAGES; do
   stage "$s"
   case $s in
+    step_tests)  # the static draft + verify steps' GPU tests only (graphs == eager == plain decoding)
+      timeout -s INT 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_draft_step_gpu.py \
+        > "$R/step_tests.log" 2>&1
+      tail -5 "$R/step_tests.log" ;;
     step)  # static draft + verify steps: graphs == eager == plain decoding, then where a step's time goes now
       timeout -s INT 200 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_draft_step_gpu.py \
         > "$R/step_tests.log" 2>&1
       tail -3 "$R/step_tests.log"
       timeout 300 python3 bench/profile_serve_step.py --device cuda --prompts 1 --new-tokens 128 --configs NONE \
-        "EAGLE3 5/4/16" "EAGLE3 5/4/16 static-verify" "EAGLE3 5/4/16 eager" "STANDALONE 3/1/4" \
-        "STANDALONE 3/1/4 static-verify" NGRAM --out-dir "$R/profile_serve_step" -- --cuda-graph-max-bs 8 \
+        "EAGLE3 5/4/16" "EAGLE3 5/4/16 eager-verify" "EAGLE3 5/4/16 eager" "STANDALONE 3/1/4" \
+        "STANDALONE 3/1/4 eager-verify" NGRAM --out-dir "$R/profile_serve_step" -- --cuda-graph-max-bs 8 \
         > "$R/profile_serve_step.log" 2>&1
       cat "$R/profile_serve_step/profile_serve_step.md" 2>/dev/null || tail -20 "$R/profile_serve_step.log" ;;
     tests)  # correctness first: kernels, graphs, fused kernels, lossless through the step path on CUDA
@@ -41,11 +45,12 @@ for s in $STAGES; do
       timeout 150 python3 bench/decode.py --steps 32 --out-dir "$R/decode" > "$R/decode.log" 2>&1
       cat "$R/decode/results.md" ;;
     spec_inproc)  # synthetic acceptance; draft time was 77-196 ms/step before the fused-in-graphs-only fix
-      timeout 200 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 64 \
-        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
+      timeout 330 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 64 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify both --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
       cat "$R/spec_inproc/results.md" 2>/dev/null || tail -20 "$R/spec_inproc.log" ;;
     spec_services)  # efficiency through gRPC (and AR through the gateway)
-      timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --batch-sizes 1 --configs 8/8/60@6 \
+      timeout 200 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 \
         --out-dir "$R/spec_services" > "$R/spec_services.log" 2>&1
       cat "$R/spec_services/results.md" 2>/dev/null || tail -20 "$R/spec_services.log" ;;
     serve_decode)  # AR batch 1 through gateway + gRPC (target >= 210 tok/s), one and four steps per call
@@ -65,8 +70,8 @@ for s in $STAGES; do
         --out "$R/spec_eval_chat_h200.json" > "$R/spec_eval_chat.log" 2>&1
       cat "$R/spec_eval_chat_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval_chat.log" ;;
     accept)  # the same family through the services (three processes, gRPC Generate)
-      timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --hf-peers cuda --configs AR EAGLE3-tree \
-        EAGLE3-auto STANDALONE-chain NGRAM-auto EAGLE3-tree-eager --out "$R/accept_h200.json" -- --device cuda \
+      timeout 380 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --hf-peers cuda --configs AR EAGLE3-tree \
+        EAGLE3-tree-eager-verify EAGLE3-auto STANDALONE-chain NGRAM-auto --out "$R/accept_h200.json" -- --device cuda \
         --cuda-graph-max-bs 8 > "$R/accept.log" 2>&1
       tail -8 "$R/accept.log" ;;
     flashinfer)

@@ -38,8 +38,8 @@ CONFIGS = {
     "STANDALONE 3/1/4": ["--speculative-algorithm", "STANDALONE"],
     "NGRAM": ["--speculative-algorithm", "NGRAM"],
 }
-# The target's static verify step (opt-in) beside the default.
-CONFIGS.update({f"{name} static-verify": [*flags, "--enable-static-verify-step"] for name, flags in list(CONFIGS.items())
+# The target's eager verify beside the default static verify step.
+CONFIGS.update({f"{name} eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if flags})
 # The same shapes drafting step by step from the host (the pre-static-step path), for the A/B in one run.
 CONFIGS.update({f"{name} eager": [*flags, "--disable-static-draft-step"] for name, flags in list(CONFIGS.items())

@@ -161,28 +161,12 @@ def recapture(runner, ndt: int) -> None:
     runner.graph_runner.capture()
 
 
-@torch.no_grad()
-def give_wide_margins(model, seed: int, embed_scale: float = 2000.0) -> None:
-    """Structured dummy weights (same shapes, same compute): the embedding scaled up so the residual stream keeps the
-    input token's direction through the random layers (each adds elements of std ~3 at 8B shapes; the scaled
-    embedding's are ~40), and lm_head row perm[t] = the unit embedding of t. The greedy next token is then perm[current
-    token] by a margin of tens of logits, so the bf16 rounding differences between a wide verify and a decode step
-    (different GEMM shapes) cannot flip it — with plain random weights they flip near-tie argmaxes of a 128k vocab
-    every few dozen tokens, and the oracle continuation (from decode) stops matching what verify computes."""
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
-    if head.data_ptr() == embed.data_ptr():
-        raise ValueError("--margin-weights needs an untied lm_head")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    perm = torch.randperm(embed.shape[0], generator=gen).to(embed.device)
-    head[perm] = (embed.float() / embed.float().norm(dim=1, keepdim=True)).to(head.dtype)
-    embed.mul_(embed_scale)
-
-
 def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) -> list[dict]:
     from draft_service.proposer import SpecShape
     from draft_service.synthetic import SyntheticHead, SyntheticProposer
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
+    from runtime.models.loader import widen_dummy_margins
     from target_service.engine import TargetEngine
 
     max_bs = max(args.batch_sizes)
@@ -196,7 +180,7 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
                                  disable_cuda_graph=args.disable_cuda_graph, seed=args.seed)
     runner = ModelRunner(None, engine_config, cfg)
     if args.margin_weights:
-        give_wide_margins(runner.model, args.seed)
+        widen_dummy_margins(runner.model, args.seed)
     engine = TargetEngine(runner)
     head = None
     if args.head_hidden != 0:
@@ -223,21 +207,33 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
                 and not args.disable_static_draft_step):
             head.enable_static_step(spec, max_bs=max(args.batch_sizes))  # as tandem serve: one graph per Propose
         rate = config.rate(args.accept_rate)
-        for bs in args.batch_sizes:
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.static_verify]
+        engine._static_verify, static_step = None, None  # one static verify step per width, captured once
+        if True in modes and engine.enable_static_verify(config.ndt, max_bs=max(args.batch_sizes)):
+            static_step = engine._static_verify
+        for bs, static_verify in ((bs, sv) for bs in args.batch_sizes for sv in modes):
+            if static_verify and static_step is None:
+                print(f"[bs {bs}] {config.name}: no static verify step here (needs the triton backend)", flush=True)
+                continue
+            engine._static_verify = static_step if static_verify else None  # else the eager verify (reference)
+            name = config.name + (" static-verify" if static_verify else "")
             prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed)
             oracle = oracles[bs]
+            static_before = static_step.num_replays if static_step is not None else 0
             for run in range(args.calibration_runs + 1):
                 proposer = SyntheticProposer(rate, cfg.vocab_size, oracle, seed=args.seed, head=head)
                 run_engine(engine, proposer, spec, prompts[:1], 2 * config.steps, f"warm-{bs}-{run}")
-                result = run_engine(engine, proposer, spec, prompts, args.max_new_tokens, f"{config.name}-{bs}-{run}")
+                result = run_engine(engine, proposer, spec, prompts, args.max_new_tokens, f"{name}-{bs}-{run}")
                 mismatched = oracle_mismatches(oracle.entries, result["continuations"])
                 if not mismatched or run == args.calibration_runs:
                     break
                 oracle = Oracle({**oracle.entries, **{k: result["continuations"][k] for k in mismatched}})
-            row = _row(config.name, config, bs, result, result["tokens"] / result["wall"], ar_rows[bs]["tok_s"],
-                       rate, {**proposer.stats, "calibration_runs": run, "outputs_off_oracle": len(mismatched)})
+            row = _row(name, config, bs, result, result["tokens"] / result["wall"], ar_rows[bs]["tok_s"],
+                       rate, {**proposer.stats, "calibration_runs": run, "outputs_off_oracle": len(mismatched),
+                              "static_verify_batches": (static_step.num_replays - static_before
+                                                                if static_verify else 0)})
             rows.append(row)
-            print(f"[bs {bs}] {config.name}: tau {row['tau']:.2f} (expected {row['tau_expected']:.2f}), "
+            print(f"[bs {bs}] {name}: tau {row['tau']:.2f} (expected {row['tau_expected']:.2f}), "
                   f"{row['tok_s']:,.1f} tok/s, {row['speedup']:.2f}x AR, verify {row['t_verify_ms']:.2f} ms + draft "
                   f"{row['t_draft_ms']:.2f} ms per step, efficiency {row['efficiency']:.3f}", flush=True)
     rows.sort(key=lambda r: (r["batch_size"], r["config"] != "AR"))
@@ -325,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-cuda-graph", action="store_true", help="let the synthetic head's runner capture graphs")
     p.add_argument("--disable-static-draft-step", action="store_true",
                    help="draft step by step from the host instead of one static graph per Propose (A/B)")
+    p.add_argument("--static-verify", default="off", choices=["off", "on", "both"],
+                   help="in-process: verify greedy trees as one static graph per Verify (tandem serve's default; "
+                        "--disable-static-verify-step there); both = one row each, same run")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--configs", type=SpecConfig.parse, nargs="+", default=None,
                    help="STEPS/TOPK/NDT@TAU each (default: 5/1/6@3.5 8/8/60@6)")
@@ -336,8 +335,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-vocab", type=int, default=32000, help="lm_head rows of the synthetic head")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--margin-weights", action="store_true",
-                   help="in-process: structured dummy weights whose greedy continuation has wide argmax margins "
-                        "(see give_wide_margins), so the oracle survives bf16 verify-vs-decode rounding")
+                   help="structured dummy target weights (in-process and services) whose greedy continuation has wide "
+                        "argmax margins (runtime/models/loader.widen_dummy_margins), so the oracle survives bf16 "
+                        "verify-vs-decode rounding")
     p.add_argument("--calibration-runs", type=int, default=1,
                    help="when speculative outputs leave the AR oracle (numerics of wide verify vs decode), re-run up "
                         "to this many times with those outputs as the oracle; the last run is reported")

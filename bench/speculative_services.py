@@ -85,13 +85,19 @@ class Stack:
         target = ["target", *model, *spec, "--service-port", str(p["target"]), "--metrics-port", str(p["target_m"])]
         if args.disable_cuda_graph:
             target.append("--disable-cuda-graph")
+        if args.margin_weights:
+            target.append("--synthetic-margin-weights")
         draft = ["draft", *model, *spec, "--service-port", str(p["draft"]), "--metrics-port", str(p["draft_m"]),
                  "--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
                  "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
         if args.head_hidden is not None:
             draft += ["--synthetic-head-hidden", str(args.head_hidden)]
-        if args.disable_cuda_graph or not args.draft_cuda_graph:
+        # As in-process: the served shape drafts through the static step (one CUDA graph per Propose, tandem
+        # serve's default); --disable-static-draft-step steps from the host (per-forward graphs with --draft-cuda-graph)
+        if args.disable_cuda_graph or (args.disable_static_draft_step and not args.draft_cuda_graph):
             draft.append("--disable-cuda-graph")
+        elif args.disable_static_draft_step:
+            draft.append("--disable-static-draft-step")
         gateway = ["gateway", "--model-path", str(path), "--target-address", f"127.0.0.1:{p['target']}",
                    "--max-running-requests", str(max_bs), "--log-level", "warning"]
         for name, cmd in (("target", target), ("draft", draft),

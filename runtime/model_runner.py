@@ -184,10 +184,7 @@ class ModelRunner:
         wide_len = min(max(1, ec.cuda_graph_max_bs) * (ec.cuda_graph_num_draft_tokens or 1), cfg.max_position_embeddings)
         self._init_kv(-(-max(prefill_len, wide_len) // ec.block_size) + 1)
         probe = DeviceMemoryProbe(self.device)
-        for num_tokens, logits in ((prefill_len, "last"), (wide_len, "all")):
-            self.add_seq("__warmup__")
-            self.forward([SeqForward("__warmup__", [0] * num_tokens, logits=logits)])
-            self.free_seq("__warmup__")
+        self._warm_up_forwards(((prefill_len, "last"), (wide_len, "all")))
         del self.kv_pool, self.block_manager
         peak, free, total = probe.finish()
         plan = plan_kv_blocks(total_bytes=total, free_bytes=free, weights_bytes=weights_bytes,
@@ -198,6 +195,19 @@ class ModelRunner:
         logger.info("KV pool: %d blocks (%.2f GiB); weights %.2f GiB, activation peak %.2f GiB, %.2f GiB free",
                     plan.num_kv_blocks, plan.kv_bytes / GiB, weights_bytes / GiB, peak / GiB, free / GiB)
         return plan
+
+    def _warm_up_forwards(self, shapes) -> None:
+        """One throw-away forward per (num_tokens, logits) on the current pool; a feature head (EAGLE/EAGLE-3 drafts:
+        `feature_size`) gets zero (N, hidden) input features, as it needs them for every token."""
+        feature_head = getattr(self.model, "feature_size", None) is not None
+        for num_tokens, logits in shapes:
+            feats = (torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+                     if feature_head else None)
+            self.add_seq("__warmup__")
+            try:
+                self.forward([SeqForward("__warmup__", [0] * num_tokens, logits=logits, input_features=feats)])
+            finally:
+                self.free_seq("__warmup__")
 
     # ---- sequence lifecycle ----------------------------------------------------------------------------------------
     def add_seq(self, seq_id: str, prefix_tokens: list[int] | None = None) -> int:

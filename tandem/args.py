@@ -105,10 +105,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft step by step from the host (per-forward graphs, host-side tree building) instead of "
                         "one static device step per Propose (runtime/speculative/draft_step.py, one CUDA graph per "
                         "batch bucket; chosen by bench/results/gpu_step_h200); A/B benchmarks")
-    g.add_argument("--enable-static-verify-step", action="store_true",
-                   help="target: verify greedy batches of the served tree width as one static device step (forward, "
-                        "tree walk, KV compaction, feature gather in one CUDA graph per batch bucket, "
-                        "runtime/speculative/verify_step.py); off until an H200 benchmark chooses it")
+    g.add_argument("--disable-static-verify-step", action="store_true",
+                   help="target: verify every batch eagerly instead of greedy batches of the served tree width as one "
+                        "static device step (forward, tree walk, KV compaction, feature gather in one CUDA graph per "
+                        "batch bucket, runtime/speculative/verify_step.py; chosen by "
+                        "bench/results/speculative_h200/static_steps: 1.0-1.19x the eager verify at 8B); A/B benchmarks")
     g.add_argument("--speculative-num-steps", type=int, default=None, help="draft depth (forward passes)")
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
@@ -136,6 +137,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="SYNTHETIC: hidden size of the random EAGLE-3-sized head whose compute is spent per step "
                         "(default: the target's; 0 = no head compute)")
     g.add_argument("--synthetic-draft-vocab", type=int, default=32000, help="SYNTHETIC: lm_head rows of that head")
+    g.add_argument("--synthetic-margin-weights", action="store_true",
+                   help="SYNTHETIC, target with --load-format dummy: structured dummy weights whose greedy argmax wins "
+                        "by tens of logits (runtime/models/loader.widen_dummy_margins), so the oracle survives bf16 "
+                        "rounding differences between verify and decode (bench/speculative.py --mode services)")
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:

@@ -81,8 +81,8 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
     if getattr(args, "disable_static_draft_step", False):
         flags += ["--disable-static-draft-step"]
-    if getattr(args, "enable_static_verify_step", False):
-        flags += ["--enable-static-verify-step"]
+    if getattr(args, "disable_static_verify_step", False):
+        flags += ["--disable-static-verify-step"]
     if getattr(args, "speculative_adaptive", False):
         flags += ["--speculative-adaptive"]
         if args.speculative_adaptive_config:

@@ -125,6 +125,12 @@ async def run_target(args: argparse.Namespace) -> None:
         runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
     else:
         runner = _build_runner(weights, engine_config)
+    if getattr(args, "synthetic_margin_weights", False):
+        if engine_config.load_format != "dummy":
+            raise SystemExit("error: --synthetic-margin-weights reshapes dummy weights: it needs --load-format dummy")
+        from runtime.models.loader import widen_dummy_margins
+
+        widen_dummy_margins(runner.model, engine_config.seed)
     credentials = _server_credentials(args)
     _check_service_auth(args)
     engine = TargetEngine(runner, **_feature_capture(args, runner))
@@ -196,10 +202,10 @@ def build_proposer(args: argparse.Namespace):
 def _static_verify(engine, args: argparse.Namespace) -> None:
     """Verify greedy batches of the served tree width as one static device step (one CUDA graph per batch bucket:
     forward, tree walk, KV compaction, feature gather) where the target runner can: a GPU, the triton backend,
-    graphs on, no TP. Opt-in (--enable-static-verify-step) until an H200 benchmark chooses it."""
+    graphs on, no TP. On by default (bench/results/speculative_h200/static_steps); --disable-static-verify-step for A/B."""
     ndt = getattr(args, "speculative_num_draft_tokens", None)
     runner = engine.runner
-    if (not getattr(args, "enable_static_verify_step", False) or not ndt or ndt < 2 or runner.device.type != "cuda"
+    if (getattr(args, "disable_static_verify_step", False) or not ndt or ndt < 2 or runner.device.type != "cuda"
             or getattr(args, "disable_cuda_graph", False) or runner.tp is not None):
         return
     if engine.enable_static_verify(ndt, max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):

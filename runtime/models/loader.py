@@ -80,6 +80,24 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 param.normal_(0.0, std, generator=gen)
 
 
+@torch.no_grad()
+def widen_dummy_margins(model, seed: int, embed_scale: float = 2000.0) -> None:
+    """Benchmarks (bench/speculative.py, --synthetic-margin-weights): structured dummy weights (same shapes, same
+    compute). The embedding is scaled up so the residual stream keeps the input token's direction through the random
+    layers (each adds elements of std ~3 at 8B shapes; the scaled embedding's are ~40), and lm_head row perm[t] = the
+    unit embedding of t. The greedy next token is then perm[current token] by a margin of tens of logits, so the bf16
+    rounding differences between a wide verify and a decode step (different GEMM shapes) cannot flip it; with plain
+    random weights they flip near-tie argmaxes of a 128k vocab every few dozen tokens, and the oracle continuation
+    (from decode) stops matching what verify computes."""
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    if head.data_ptr() == embed.data_ptr():
+        raise ValueError("margin weights need an untied lm_head")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(embed.shape[0], generator=gen).to(embed.device)
+    head[perm] = (embed.float() / embed.float().norm(dim=1, keepdim=True)).to(head.dtype)
+    embed.mul_(embed_scale)
+
+
 def load_safetensors_weights(model: nn.Module, model_path: str, model_config: ModelConfig) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tp_slice = model.tp_slice if getattr(model, "tp", None) is not None else None

@@ -75,3 +75,22 @@ def test_cpu_runner_resolves_auto_backend_to_torch_and_captures_nothing(tmp_path
     runner = ModelRunner(None, EngineConfig(attention_backend="auto", max_total_tokens=64, load_format="dummy"), cfg)
     assert type(runner.attn_backend).__name__ == "TorchAttentionBackend"
     assert runner.graph_runner is None and runner.memory_plan is None
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_memory_profile_warm_up_forwards_feed_a_feature_head(tmp_path, algorithm):
+    """The KV-sizing warm-up forwards (_profile_memory, CUDA only) run on EAGLE/EAGLE-3 heads too: they get zero
+    features (on the H200 every EAGLE3 draft of tandem serve died at start-up when a head got none), and leave no
+    sequence or KV behind."""
+    from draft_service.eagle import EagleProposer
+    from tests.eagle.heads import make_eagle3_head, make_eagle_head
+    from tests.tiny_models import make_tiny_model
+
+    target = make_tiny_model("llama", tmp_path / "target")
+    make_head = make_eagle3_head if algorithm == "EAGLE3" else make_eagle_head
+    head = make_head(target, str(tmp_path / "head"))
+    config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=256, attention_backend="torch")
+    runner = EagleProposer(target, head, config, algorithm=algorithm).runner
+    free = runner.num_free_tokens()
+    runner._warm_up_forwards(((40, "last"), (12, "all")))
+    assert runner.num_free_tokens() == free and not runner.has_seq("__warmup__")
