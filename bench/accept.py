@@ -105,9 +105,11 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
         stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
         stub_generate(stub, prompts[0], 8, args)  # warm-up
         tokens = steps = accepted = proposed = 0
+        outputs = []
         start = time.perf_counter()
         for prompt in prompts:
-            usage = stub_generate(stub, prompt, args.max_new_tokens, args)
+            usage, ids = stub_generate(stub, prompt, args.max_new_tokens, args)
+            outputs.append(ids)
             tokens += usage.completion_tokens
             steps += usage.verify_steps + 1
             accepted += usage.accepted_draft_tokens
@@ -120,7 +122,7 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
         proc.wait(timeout=30)
     return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
             "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
-            "tokens_per_s": tokens / elapsed, "seconds": elapsed, **rpc_ms}
+            "tokens_per_s": tokens / elapsed, "seconds": elapsed, **rpc_ms, "outputs": outputs}
 
 
 def gateway_rpc_ms(http_port: int) -> dict:
@@ -162,16 +164,17 @@ def hf_peers(prompts: list[str] | list[list[int]], args) -> list[dict]:
     return rows
 
 
-def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> pb.GenerateUsage:
+def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> tuple[pb.GenerateUsage, list[int]]:
+    """One streamed Generate: its usage and every token id it committed."""
     source = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
     request = pb.GenerateRequest(**source, max_new_tokens=max_new_tokens, temperature=args.temperature,
                                  ignore_eos=True)
     if args.temperature > 0:
         request.seed = 1
-    last = None
+    last, ids = None, []
     for last in stub.Generate(request, timeout=600):
-        pass
-    return last.usage
+        ids.extend(last.token_ids)
+    return last.usage, ids
 
 
 def main() -> None:
@@ -192,16 +195,20 @@ def main() -> None:
     results = [run_config(name, CONFIGS[name], prompts, args) for name in args.configs]
     if args.hf_peers:
         results += hf_peers(prompts, args)
-    base = next((r["tokens_per_s"] for r in results if r["config"] == "AR"), None)
+    ar = next((r for r in results if r["config"] == "AR"), None)
     for r in results:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / base if base else None
-    print(json.dumps(results, indent=2))
-    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | Propose RPC ms | Verify RPC ms |"
-          "\n|---|---|---|---|---|---|---|")
+        r["speedup_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+        if ar and "outputs" in r and args.temperature == 0:  # greedy speculation must reproduce plain decoding
+            r["identical_to_ar"] = r["outputs"] == ar["outputs"]
+    print(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results], indent=2))
+    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | Propose RPC ms | Verify RPC ms | "
+          "output == AR |\n|---|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
+        same = {True: "yes", False: "**NO**"}.get(r.get("identical_to_ar"), "-")
         print(f"| {r['config']} | {r['mean_accept_length']:.2f} | {r['accept_rate']:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('draft_rpc_ms', 0):.2f} | {r.get('verify_rpc_ms', 0):.2f} |")
+              f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('draft_rpc_ms', 0):.2f} | {r.get('verify_rpc_ms', 0):.2f} | "
+              f"{same} |")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -150,6 +150,9 @@ def _tp_rank_main(rank: int, port: int, path: str, prompt: list[int], steps: int
                 f.write(" ".join(map(str, tokens)) + "\n" + " ".join(sorted(llama._kernels)))
         else:
             run_worker(runner)
+        # Both ranks leave the group together: a rank tearing its gloo pairs down while the other still used them
+        # aborted it once ("terminate called without an active exception", exit -6) on a busy 2-core box.
+        torch.distributed.barrier()
     finally:
         destroy_tp()
 

@@ -88,6 +88,7 @@ def _rank_main(rank: int, size: int, port: int, target: str, draft: str, out_pat
             # rank 1 applied every free rank 0 made: its pool is empty too
             Path(out_path + ".rank1").write_text(json.dumps(
                 {"free": runner.num_free_tokens(), "total": runner.num_total_tokens()}))
+        torch.distributed.barrier()  # leave together (see tests/kernels/test_fused_model.py::_tp_rank_main)
     finally:
         destroy_tp()
 
