@@ -27,6 +27,7 @@ from gateway.drafting import Drafting, SpecConfig
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable,
                              SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
+from gateway.overlap import PINGPONG, OverlapSchedule
 from gateway.pods import PodPool
 from gateway.routing import PrefixRouter, RoutingConfig
 from gateway.sequence import Sequence
@@ -47,6 +48,9 @@ class SchedulerConfig:
     max_pod_failures: int = 3  # pod failures one request survives (each moves it to another pod)
     max_prompt_tokens: int | None = None  # longer prompts are refused (400); None = only the context bounds them
     enable_overlap_drafting: bool = False  # pre-draft step i+1 during Verify(step i) (token-only drafts)
+    # Two micro-batches that ping-pong between the draft and target pods (gateway/overlap.py): "auto" measures and
+    # picks per batch size, "on" always splits batches of >= 2, "off" (--disable-overlap-schedule) never does.
+    overlap_schedule: str = "auto"
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
@@ -60,6 +64,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_queued_requests < 0 or self.request_timeout_s <= 0:
             raise ValueError("max_running_requests >= 1, max_queued_requests >= 0, request_timeout_s > 0")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if not 1 <= self.num_continuous_decode_steps <= 256:
             raise ValueError(f"num_continuous_decode_steps must be in 1..256, got {self.num_continuous_decode_steps}")
 
@@ -106,6 +112,13 @@ class Scheduler:
         self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
                           pools={"target": self.targets, "draft": self.drafts})
         self.drafting = Drafting(self.drafts, spec, self.metrics, config.enable_overlap_drafting)
+        # Ping-pong halves (gateway/overlap.py): not with adaptive draft lengths (one shape per batch size) or the
+        # pre-drafts of --enable-overlap-drafting (their own overlap), and only when something drafts.
+        self.overlap: OverlapSchedule | None = None
+        if (config.overlap_schedule != "off" and adaptive is None and not config.enable_overlap_drafting
+                and spec.algorithm != "NONE" and drafts):
+            self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
+        self._pending: dict[str, tuple[list[int], list[int]]] = {}  # ping-pong: trees drafted, not yet verified
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -250,6 +263,7 @@ class Scheduler:
         for seq in self._running:
             if seq.finished:
                 self._to_release.append(seq)
+                self._pending.pop(seq.seq_id, None)
             else:
                 keep.append(seq)
         self._running = keep
@@ -351,6 +365,52 @@ class Scheduler:
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
 
     async def _step(self, seqs: list[Sequence]) -> None:
+        if self.overlap is None:
+            await self._sequential_step(seqs)
+            return
+        mode = self.overlap.mode_for(len(seqs))
+        self.metrics.overlap_iterations.labels(mode).inc()
+        before, start = sum(s.num_output for s in seqs), time.perf_counter()
+        await (self._pingpong_step(seqs) if mode == PINGPONG else self._sequential_step(seqs))
+        self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before, time.perf_counter() - start)
+
+    async def _pingpong_step(self, seqs: list[Sequence]) -> None:
+        """One phase of the two ping-ponging halves (gateway/overlap.py): the half drafted last phase verifies on
+        the target pods while the other half drafts on the draft pods. Starting from nothing pending, half the batch
+        drafts alone (filling the pipeline)."""
+        pending = self._take_pending(seqs)
+        verifying = [s for s in seqs if s.seq_id in pending]
+        drafting = [s for s in seqs if s.seq_id not in pending]
+        if not verifying:
+            drafting = drafting[: (len(seqs) + 1) // 2]
+
+        spans = {}
+
+        async def timed(name: str, work) -> None:
+            start = time.perf_counter()
+            await work
+            spans[name] = (start, time.perf_counter())
+
+        async def draft_half() -> None:
+            trees = await self.drafting.propose(drafting) if drafting else {}
+            for seq in drafting:  # no tree (no draft pod, STALE): the next phase verifies it as a plain decode step
+                if not seq.finished:
+                    self._pending[seq.seq_id] = trees.get(seq.seq_id, ([], []))
+
+        await asyncio.gather(timed("verify", asyncio.gather(*self._verifies(verifying, pending))),
+                             timed("draft", draft_half()))
+        if verifying and drafting:  # both pods in flight at once: the time the split bought
+            (v0, v1), (d0, d1) = spans["verify"], spans["draft"]
+            self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+
+    def _take_pending(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+        """Trees drafted in an earlier ping-pong phase for these sequences (drafted from their committed tokens as
+        they still are: nothing verifies a sequence while its tree is pending)."""
+        if not self._pending:
+            return {}
+        return {s.seq_id: self._pending.pop(s.seq_id) for s in seqs if s.seq_id in self._pending}
+
+    async def _sequential_step(self, seqs: list[Sequence]) -> None:
         overlap = self.drafting.overlap_enabled
         adaptive_steps = self.adaptive.steps_for(len(seqs)) if self.adaptive is not None else None
         accepted_before = ({s.seq_id: s.accepted_draft_tokens for s in seqs} if adaptive_steps is not None
@@ -363,14 +423,11 @@ class Scheduler:
         elif adaptive_steps is not None:
             trees = await self.drafting.propose(seqs, (adaptive_steps, 1, adaptive_steps + 1))
         else:
-            trees = await self.drafting.propose(seqs)
-        groups: dict[object, list[Sequence]] = defaultdict(list)
-        for seq in seqs:
-            if self._route_target(seq) and not seq.needs_target_prefill:
-                groups[seq.target].append(seq)
-            elif seq.target is None:
-                self._wait_for_target(seq)
-        verifies = [self._verify_on(pod, group, trees) for pod, group in groups.items()]
+            trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
+            rest = [s for s in seqs if s.seq_id not in trees]
+            if rest:
+                trees.update(await self.drafting.propose(rest))
+        verifies = self._verifies(seqs, trees)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))
         await asyncio.gather(*verifies)
@@ -379,6 +436,17 @@ class Scheduler:
             mean = (sum(s.accepted_draft_tokens - accepted_before[s.seq_id] for s in drafted) / len(drafted)
                     if drafted else None)
             self.adaptive.observe(len(seqs), adaptive_steps, mean)
+
+    def _verifies(self, seqs: list[Sequence], trees) -> list:
+        """One Verify call per target pod for these sequences (coroutines to await together); sequences without a
+        reachable target pod wait for one."""
+        groups: dict[object, list[Sequence]] = defaultdict(list)
+        for seq in seqs:
+            if self._route_target(seq) and not seq.needs_target_prefill:
+                groups[seq.target].append(seq)
+            elif seq.target is None:
+                self._wait_for_target(seq)
+        return [self._verify_on(pod, group, trees) for pod, group in groups.items()]
 
     async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
         items = []

@@ -126,6 +126,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="NGRAM: BFS (recency) or PROB (frequency) tree construction")
     g.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18, help="NGRAM: max trie depth")
     g.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie node capacity")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="never split the running batch into two halves that ping-pong between the draft and target "
+                        "pods (gateway/overlap.py: one half verifies while the other drafts; by default the gateway "
+                        "measures both ways per batch size and keeps the faster); SGLang's flag name; acted on by the "
+                        "gateway")
     # SYNTHETIC (draft_service/synthetic.py): synthetic acceptance, benchmarks only.
     g.add_argument("--synthetic-oracle", default=None,
                    help="SYNTHETIC (synthetic acceptance, benchmarks only): JSON of each prompt's target greedy "

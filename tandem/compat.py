@@ -89,9 +89,6 @@ COMPAT_FLAGS = (
     CompatFlag("--enable-two-batch-overlap", f"{NOT_HERE}: two-batch overlap hides MoE expert-parallel "
                "communication, and Tandem's models have no MoE layers", None, False,
                help="SGLang: overlap two micro-batches"),
-    CompatFlag("--disable-overlap-schedule", "no effect: Tandem has no overlap scheduler, steps already run one after "
-               "the other (--enable-overlap-drafting is the overlap Tandem has)", None, False, warn_only=True,
-               help="SGLang: run the scheduler without CPU/GPU overlap; a no-op here (no overlap scheduler)"),
     CompatFlag("--trust-remote-code", "no effect: Tandem runs its own code for the Llama family (Llama, Qwen2/3, "
                "Mistral) and never executes a checkpoint's Python", None, False, warn_only=True,
                help="SGLang: allow custom model code from the checkpoint; a no-op here"),

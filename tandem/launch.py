@@ -152,6 +152,8 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
         gateway += ["--draft-address", ",".join(draft_addrs)]
     if getattr(args, "enable_overlap_drafting", False):
         gateway += ["--enable-overlap-drafting"]
+    if getattr(args, "disable_overlap_schedule", False):
+        gateway += ["--disable-overlap-schedule"]
     if getattr(args, "disable_step_streams", False):
         gateway += ["--disable-step-streams"]
     if getattr(args, "num_continuous_decode_steps", 1) != 1:

@@ -322,6 +322,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
         config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
+                                 overlap_schedule="off" if args.disable_overlap_schedule else "auto",
                                  num_continuous_decode_steps=args.num_continuous_decode_steps, routing=routing,
                                  pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:

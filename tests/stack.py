@@ -44,12 +44,13 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
-                      prefix_cache: bool = True, static_steps: bool = False):
+                      prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto"):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
     static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
-    verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1)."""
+    verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1);
+    overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -100,7 +101,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
                           config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
                                                  enable_overlap_drafting=enable_overlap_drafting,
-                                                 num_continuous_decode_steps=num_continuous_decode_steps),
+                                                 num_continuous_decode_steps=num_continuous_decode_steps,
+                                                 overlap_schedule=overlap_schedule),
                           adaptive=adaptive)
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
