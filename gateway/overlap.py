@@ -36,14 +36,22 @@ class OverlapSchedule:
     """Per batch-size bucket (powers of two), sequential steps or ping-pong halves, by measured throughput.
 
     warm: measured iterations of each mode before the first choice; probe_every / probe_len: how often and how long
-    the mode not chosen is run again; alpha: EMA weight of a new measurement; min_batch: smaller batches never split;
-    force: always this mode (batches of >= min_batch), measuring nothing (tests, A/B benchmarks).
+    the mode not chosen is run again; alpha: EMA weight of a new measurement; margin: ping-pong is chosen only when
+    its rate beats the sequential one by this factor (the sequential loop is the safe side: a wrong split costs up to
+    a third of the throughput, H200 demo family at batch 8 in `bench/results/overlap_h200/`); min_batch: smaller
+    batches never split; force: always this mode (batches of >= min_batch), measuring nothing (tests, A/B benchmarks).
+
+    Callers pass only steady iterations to `observe` (no sequence in its first steps: a new sequence's first Propose
+    also catches the draft up over the whole prompt, which made sequential steps look slow while a batch ramped up).
     """
 
-    def __init__(self, *, min_batch: int = 2, warm: int = 4, probe_every: int = 200, probe_len: int = 6,
-                 alpha: float = 0.2, force: str | None = None) -> None:
-        if min_batch < 2 or warm < 1 or probe_every < 1 or probe_len < 1 or not 0 < alpha <= 1:
-            raise ValueError("min_batch >= 2, warm >= 1, probe_every >= 1, probe_len >= 1, 0 < alpha <= 1")
+    def __init__(self, *, min_batch: int = 2, warm: int = 6, probe_every: int = 100, probe_len: int = 4,
+                 alpha: float = 0.2, margin: float = 1.1, force: str | None = None) -> None:
+        if (min_batch < 2 or warm < 1 or probe_every < 1 or probe_len < 1 or not 0 < alpha <= 1
+                or margin < 1):
+            raise ValueError("min_batch >= 2, warm >= 1, probe_every >= 1, probe_len >= 1, 0 < alpha <= 1, "
+                             "margin >= 1")
+        self.margin = margin
         if force not in (None, SEQUENTIAL, PINGPONG):
             raise ValueError(f"force must be None, {SEQUENTIAL!r} or {PINGPONG!r}")
         self.force = force
@@ -71,7 +79,7 @@ class OverlapSchedule:
         for mode in (SEQUENTIAL, PINGPONG):  # warm-up: measure both
             if b.samples[mode] < self.warm:
                 return mode
-        best = max(b.rate, key=b.rate.get)
+        best = PINGPONG if b.rate[PINGPONG] > self.margin * b.rate[SEQUENTIAL] else SEQUENTIAL
         other = PINGPONG if best == SEQUENTIAL else SEQUENTIAL
         if b.run_left > 0:
             b.run_left -= 1

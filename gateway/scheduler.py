@@ -370,9 +370,13 @@ class Scheduler:
             return
         mode = self.overlap.mode_for(len(seqs))
         self.metrics.overlap_iterations.labels(mode).inc()
+        # Steady iterations only: a sequence's first steps include the draft's catch-up over its prompt.
+        steady = all(s.verify_steps >= 2 for s in seqs)
         before, start = sum(s.num_output for s in seqs), time.perf_counter()
         await (self._pingpong_step(seqs) if mode == PINGPONG else self._sequential_step(seqs))
-        self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before, time.perf_counter() - start)
+        if steady:
+            self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before,
+                                 time.perf_counter() - start)
 
     async def _pingpong_step(self, seqs: list[Sequence]) -> None:
         """One phase of the two ping-ponging halves (gateway/overlap.py): the half drafted last phase verifies on

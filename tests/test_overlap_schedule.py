@@ -46,6 +46,13 @@ def test_the_slower_split_is_dropped():
     assert steady.count(SEQUENTIAL) > 0.8 * len(steady) and PINGPONG in steady
 
 
+def test_a_split_that_is_only_slightly_faster_is_not_taken():
+    """The sequential loop is the safe side: ping-pong must win by the margin (10 % by default)."""
+    schedule = OverlapSchedule(warm=3, probe_every=20, probe_len=4)
+    steady = _run(schedule, 8, {SEQUENTIAL: 100.0, PINGPONG: 105.0}, 100)[8:]
+    assert steady.count(SEQUENTIAL) > 0.8 * len(steady)
+
+
 def test_buckets_decide_separately_and_a_drifting_rate_flips_the_choice():
     schedule = OverlapSchedule(warm=2, probe_every=10, probe_len=3, alpha=0.5)
     _run(schedule, 3, {SEQUENTIAL: 100.0, PINGPONG: 50.0}, 40)  # bucket 4: sequential wins
