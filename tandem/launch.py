@@ -156,7 +156,7 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
         gateway += ["--disable-overlap-schedule"]
     if getattr(args, "disable_step_streams", False):
         gateway += ["--disable-step-streams"]
-    if getattr(args, "num_continuous_decode_steps", 1) != 1:
+    if getattr(args, "num_continuous_decode_steps", None) is not None:
         gateway += ["--num-continuous-decode-steps", str(args.num_continuous_decode_steps)]
     gateway += ["--routing-policy", args.routing_policy, "--cache-threshold", str(args.cache_threshold),
                 "--balance-abs-threshold", str(args.balance_abs_threshold),
