@@ -115,8 +115,8 @@ def main() -> None:
         if args.temperature == 0:
             r["identical_to_sequential"] = r["outputs"] == base["outputs"]
     print(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results], indent=2))
-    print(f"\n{args.algorithm}, {args.num_prompts} prompts x {args.max_new_tokens} tokens\n\n| batch | config | tok/s | vs "
-          "sequential | accept length | ping-pong iterations | both busy s | pre-draft hits/misses | output == "
+    print(f"\n{args.algorithm}, {args.num_prompts} prompts x {args.max_new_tokens} tokens\n\n| batch | config | "
+          "tok/s | vs sequential | accept length | ping-pong iterations | both busy s | pre-draft hits/misses | output == "
           "sequential |\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
         same = {True: "yes", False: "**NO**"}.get(r.get("identical_to_sequential"), "-")

@@ -94,9 +94,9 @@ class GatewayMetrics:
                                       buckets=RPC_BUCKETS)
         self.step_time = Histogram(P + "step_time_seconds", "One speculative step of the whole running batch",
                                    registry=r, buckets=RPC_BUCKETS)
-        self.overlap_iterations = Counter(P + "overlap_iterations", "Loop iterations by overlap mode (gateway/overlap.py"
-                                          "): sequential steps, or ping-pong phases of two half batches", ["mode"],
-                                          registry=r)
+        self.overlap_iterations = Counter(P + "overlap_iterations", "Loop iterations by overlap mode (gateway/"
+                                          "overlap.py): sequential steps, or ping-pong phases of two half batches",
+                                          ["mode"], registry=r)
         self.overlap_busy = Counter(P + "overlap_both_busy_seconds", "Time a draft Propose and a target Verify were "
                                     "in flight at once (ping-pong phases)", registry=r)
         self._live: dict[str, _Live] = {}

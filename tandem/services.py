@@ -214,7 +214,7 @@ def build_proposer(args: argparse.Namespace):
 def _static_verify(engine, args: argparse.Namespace) -> None:
     """Verify greedy batches of the served tree width as one static device step (one CUDA graph per batch bucket:
     forward, tree walk, KV compaction, feature gather) where the target runner can: a GPU, the triton backend,
-    graphs on, no TP. On by default (bench/results/speculative_h200/static_steps); --disable-static-verify-step for A/B."""
+    graphs on, no TP. On by default (bench/results/speculative_h200/static_steps); --disable-static-verify-step: A/B."""
     ndt = getattr(args, "speculative_num_draft_tokens", None)
     runner = engine.runner
     if (getattr(args, "disable_static_verify_step", False) or not ndt or ndt < 2 or runner.device.type != "cuda"
@@ -225,9 +225,9 @@ def _static_verify(engine, args: argparse.Namespace) -> None:
 
 
 def _static_step(proposer, args: argparse.Namespace):
-    """Propose the served shape as one static device step (one CUDA graph per batch bucket) where the draft runner
-    can (a GPU, the triton backend, graphs on); other shapes (adaptive tiers, pre-drafts) and other devices draft
-    step by step."""
+    """Propose the served shape, and with --speculative-adaptive every tier's chain (steps/1/steps+1), as one static
+    device step each (one CUDA graph per batch bucket) where the draft runner can (a GPU, the triton backend, graphs
+    on); other shapes (pre-drafts) and other devices draft step by step."""
     from draft_service.proposer import SpecShape
 
     steps, topk, ndt = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
@@ -235,8 +235,13 @@ def _static_step(proposer, args: argparse.Namespace):
     if (runner is None or getattr(args, "disable_static_draft_step", False) or not steps or runner.device.type != "cuda"
             or getattr(args, "disable_cuda_graph", False)):
         return proposer
-    if proposer.enable_static_step(SpecShape(steps, topk, ndt), max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):
-        logger.info("draft: static draft step for %d/%d/%d", steps, topk, ndt)
+    shapes = [SpecShape(steps, topk, ndt)]
+    if getattr(args, "speculative_adaptive", False):
+        tiers = [SpecShape(s, 1, s + 1) for s in adaptive_steps(args) if s > 0]
+        shapes += [shape for shape in tiers if shape not in shapes]
+    for shape in shapes:
+        if proposer.enable_static_step(shape, max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):
+            logger.info("draft: static draft step for %d/%d/%d", shape.num_steps, shape.topk, shape.num_draft_tokens)
     return proposer
 
 

@@ -130,3 +130,29 @@ async def test_adaptive_steps_stay_lossless_and_large_batches_do_not_draft():
     assert adaptive.slots[4].batches >= 10  # the batch-6 steps ran in the no-draft tier
     proposed = sum(r[1].proposed_draft_tokens for r in results)
     assert proposed < usage.proposed_draft_tokens * len(prompts)  # far fewer drafts than six solo runs
+
+
+def test_the_draft_captures_a_static_step_for_every_adaptive_tier():
+    """On CUDA every tier's chain (steps/1/steps+1) drafts through its own static step, not step by step from the
+    host (tandem/services._static_step); the served shape first."""
+    from types import SimpleNamespace
+
+    from tandem.cli import build_parser
+    from tandem.services import _static_step
+
+    enabled = []
+    proposer = SimpleNamespace(runner=SimpleNamespace(device=SimpleNamespace(type="cuda")),
+                               enable_static_step=lambda shape, max_bs: enabled.append(shape) or True)
+    def args_list():
+        return ["draft", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "5", "--speculative-eagle-topk",
+                "1", "--speculative-num-draft-tokens", "6", "--speculative-adaptive"]
+
+    args = build_parser().parse_args(args_list())
+    _static_step(proposer, args)
+    shapes = [(s.num_steps, s.topk, s.num_draft_tokens) for s in enabled]
+    assert shapes[0] == (5, 1, 6) and len(shapes) == len(set(shapes)) > 1
+    assert all(topk == 1 and ndt == steps + 1 for steps, topk, ndt in shapes)
+    enabled.clear()
+    plain = [a for a in args_list() if a != "--speculative-adaptive"]
+    _static_step(proposer, build_parser().parse_args(plain))
+    assert [(s.num_steps, s.topk, s.num_draft_tokens) for s in enabled] == [(5, 1, 6)]
