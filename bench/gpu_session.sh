@@ -2,7 +2,7 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: step_tests step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap adaptive step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -74,6 +74,15 @@ for s in $STAGES; do
         EAGLE3-tree-eager-verify EAGLE3-auto STANDALONE-chain NGRAM-auto --out "$R/accept_h200.json" -- --device cuda \
         --cuda-graph-max-bs 8 > "$R/accept.log" 2>&1
       tail -8 "$R/accept.log" ;;
+    overlap)  # ping-pong halves (default, measured choice) vs --disable-overlap-schedule, demo family, one GPU
+      timeout 300 python3 bench/overlap.py --algorithm EAGLE3 --batch-sizes 8 32 1 --num-prompts 32 \
+        --max-new-tokens 128 --shapes tree --out "$R/overlap_eagle3.json" -- --device cuda --cuda-graph-max-bs 32 \
+        > "$R/overlap.log" 2>&1
+      tail -9 "$R/overlap.log" ;;
+    adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size
+      timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive \
+        --batch-sizes 1 8 32 64 --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1
+      cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log" ;;
     flashinfer)
       timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
         > "$R/flashinfer.log" 2>&1

@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--static-verify", default="off", choices=["off", "on", "both"],
                    help="in-process: verify greedy trees as one static graph per Verify (tandem serve's default; "
                         "--disable-static-verify-step there); both = one row each, same run")
+    p.add_argument("--adaptive", action="store_true",
+                   help="services mode: --speculative-adaptive (chain configs only: draft steps per batch size)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--configs", type=SpecConfig.parse, nargs="+", default=None,
                    help="STEPS/TOPK/NDT@TAU each (default: 5/1/6@3.5 8/8/60@6)")

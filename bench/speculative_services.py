@@ -81,6 +81,8 @@ class Stack:
             model += ["--attention-backend", args.attention_backend]
         spec = ["--speculative-algorithm", "SYNTHETIC", "--speculative-num-steps", str(config.steps),
                 "--speculative-eagle-topk", str(config.topk), "--speculative-num-draft-tokens", str(config.ndt)]
+        if args.adaptive:  # draft steps per batch size (gateway), a verify graph and a static draft step per tier
+            spec.append("--speculative-adaptive")
         p = self.ports
         target = ["target", *model, *spec, "--service-port", str(p["target"]), "--metrics-port", str(p["target_m"])]
         if args.disable_cuda_graph:
