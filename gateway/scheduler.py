@@ -119,6 +119,9 @@ class Scheduler:
                 and spec.algorithm != "NONE" and drafts):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
         self._pending: dict[str, tuple[list[int], list[int]]] = {}  # ping-pong: trees drafted, not yet verified
+        # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
+        # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
+        self._defer_delivery = spec.algorithm != "NONE" and bool(drafts)
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -251,6 +254,8 @@ class Scheduler:
         await self._release()
         await self._admit_waiting()
         active = [s for s in self._running if not s.finished and not s.needs_target_prefill]
+        if len(active) < len(self._running):  # sequences that step no more (or not now): stream what they hold
+            self._deliver([s for s in self._running if s.needs_target_prefill])
         if active:
             await self.metrics.timed("step", self._step(active))
             self.num_steps += 1
@@ -384,7 +389,7 @@ class Scheduler:
         drafts alone (filling the pipeline)."""
         pending = self._take_pending(seqs)
         verifying = [s for s in seqs if s.seq_id in pending]
-        drafting = [s for s in seqs if s.seq_id not in pending]
+        drafting = drafting_all = [s for s in seqs if s.seq_id not in pending]
         if not verifying:
             drafting = drafting[: (len(seqs) + 1) // 2]
 
@@ -401,11 +406,29 @@ class Scheduler:
                 if not seq.finished:
                     self._pending[seq.seq_id] = trees.get(seq.seq_id, ([], []))
 
-        await asyncio.gather(timed("verify", asyncio.gather(*self._verifies(verifying, pending))),
-                             timed("draft", draft_half()))
+        verify = asyncio.gather(*self._verifies(verifying, pending))
+        both = asyncio.ensure_future(asyncio.gather(timed("verify", verify), timed("draft", draft_half())))
+        await asyncio.sleep(0)  # the calls go out; then the drafting half's outputs are delivered meanwhile
+        self._deliver(drafting_all)
+        await both
         if verifying and drafting:  # both pods in flight at once: the time the split bought
             (v0, v1), (d0, d1) = spans["verify"], spans["draft"]
             self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+
+    async def _propose_delivering(self, seqs: list[Sequence], to_propose: list[Sequence], shape=None) -> dict:
+        """Propose for `to_propose` and, while that call is in flight, deliver the held outputs of `seqs`."""
+        if not to_propose:
+            self._deliver(seqs)
+            return {}
+        task = asyncio.ensure_future(self.drafting.propose(to_propose, *([shape] if shape else [])))
+        await asyncio.sleep(0)  # let the call go out before the host work below
+        self._deliver(seqs)
+        return await task
+
+    @staticmethod
+    def _deliver(seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.deliver()
 
     def _take_pending(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
         """Trees drafted in an earlier ping-pong phase for these sequences (drafted from their committed tokens as
@@ -421,16 +444,16 @@ class Scheduler:
                            else None)
         if overlap:
             trees = self.drafting.take_predrafts(seqs)
-            trees.update(await self.drafting.propose([s for s in seqs if s.seq_id not in trees]))
+            trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
         elif adaptive_steps == 0:
+            self._deliver(seqs)
             trees = {}  # this batch size's tier does not speculate: a plain decode step through Verify
         elif adaptive_steps is not None:
-            trees = await self.drafting.propose(seqs, (adaptive_steps, 1, adaptive_steps + 1))
+            trees = await self._propose_delivering(seqs, seqs, (adaptive_steps, 1, adaptive_steps + 1))
         else:
             trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
-            rest = [s for s in seqs if s.seq_id not in trees]
-            if rest:
-                trees.update(await self.drafting.propose(rest))
+            trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
+        seqs = [s for s in seqs if not s.finished]  # a stop string found while delivering ends a sequence here
         verifies = self._verifies(seqs, trees)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))
@@ -489,7 +512,8 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
+                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs,
+                           defer=self._defer_delivery)
 
 
 def _logprobs(seq: Sequence) -> int:

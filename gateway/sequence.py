@@ -55,6 +55,7 @@ class Sequence:
         self.cached_prompt_tokens = 0  # prompt tokens the target's prefix cache served at the first prefill
         self._detok = IncrementalDetokenizer(tokenizer) if params.detokenize else None
         self._stops = StopStringMatcher(params.stop) if params.detokenize and params.stop else None
+        self._outbox: list[tuple[list[int], list | None]] = []  # committed, not yet detokenized/streamed (deliver)
 
     @property
     def num_output(self) -> int:
@@ -73,18 +74,40 @@ class Sequence:
                      predraft_misses=self.predraft_misses, cached_prompt_tokens=self.cached_prompt_tokens)
 
     def commit(self, token_ids: list[int], finish: FinishReason | None,
-               logprobs: list[tuple[float, list[int], list[float]]] | None = None) -> None:
+               logprobs: list[tuple[float, list[int], list[float]]] | None = None, defer: bool = False) -> None:
         """Append tokens the target accepted and stream them; apply stop strings. logprobs: one entry per token
-        when the request asked for them."""
+        when the request asked for them. defer: only append them to `committed` now (the next Propose needs them)
+        and detokenize, match stop strings and stream them at `deliver`, which the scheduler calls while that
+        Propose is in flight; a stop string found then ends the sequence with exactly the same output (the tokens
+        committed past it are never streamed, and the finished sequence is not verified again)."""
         if self.finished:
             return
+        if defer and finish is None:
+            self.committed.extend(token_ids)
+            self._outbox.append((list(token_ids), logprobs))
+            return
+        self.deliver()
+        if self.finished:  # a stop string in the held tokens
+            return
+        self._emit(token_ids, finish, logprobs, commit=True)
+
+    def deliver(self) -> None:
+        """Detokenize, match stop strings and stream the tokens `commit(defer=True)` held back, in order."""
+        outbox, self._outbox = self._outbox, []
+        for token_ids, logprobs in outbox:
+            if self.finished:
+                return
+            self._emit(token_ids, None, logprobs, commit=False)
+
+    def _emit(self, token_ids: list[int], finish: FinishReason | None, logprobs, commit: bool) -> None:
         if self.params.logprobs is not None and token_ids:
             logprobs = list(logprobs or [])
             # A target that returned none (an older pod): neutral entries keep the list aligned with the tokens.
             logprobs += [(-9999.0, [], [])] * (len(token_ids) - len(logprobs))
         else:
             logprobs = None
-        self.committed.extend(token_ids)
+        if commit:
+            self.committed.extend(token_ids)
         text, matched = "", None
         if self._detok is not None:
             text = self._detok.push(token_ids)
@@ -105,6 +128,7 @@ class Sequence:
                                             usage=self.usage(), matched_stop=matched, logprobs=logprobs))
 
     def finish(self, reason: FinishReason) -> None:
+        self.deliver()  # what was committed before the end is streamed first (unless a stop string ends it there)
         if not self.finished:
             self.finished = True
             self.queue.put_nowait(GenerateChunk(token_ids=[], finish_reason=reason, usage=self.usage()))

@@ -44,13 +44,15 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       ngram_kwargs: dict | None = None, max_total_tokens: int = 8192,
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
-                      prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto"):
+                      prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
+                      tokenizer=None):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
     static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
     verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1);
-    overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off."""
+    overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; tokenizer: the gateway's
+    (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -95,7 +97,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         servers.append(server)
         draft = DraftClient(f"127.0.0.1:{port}")
     info = await target.info()
-    scheduler = Scheduler(targets=[target], drafts=[draft] if draft else [], tokenizer=None, model_name="tiny",
+    scheduler = Scheduler(targets=[target], drafts=[draft] if draft else [], tokenizer=tokenizer, model_name="tiny",
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size,
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
