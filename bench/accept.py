@@ -84,6 +84,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, channel: grpc.Channel, name: str, timeout_s: float = 300.0) -> None:
+    """Until `tandem serve` answers on `channel`; fails at once when it exits first (a child died while starting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: tandem serve exited with {proc.returncode} before it was ready")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2)
+            return
+        except grpc.FutureTimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
 def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]], args) -> dict:
     http, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
@@ -91,16 +105,7 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        deadline = time.monotonic() + 300
-        while True:  # ready, or fail at once when tandem serve gave up (a child died while starting)
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name}: tandem serve exited with {proc.returncode} before it was ready")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=2)
-                break
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
+        wait_ready(proc, channel, name)
         stub = pb_grpc.GatewayStub(channel)
         stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
         stub_generate(stub, prompts[0], 8, args)  # warm-up

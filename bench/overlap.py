@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from accept import free_port, heldout_prompts, stub_generate  # noqa: E402
+from accept import free_port, heldout_prompts, stub_generate, wait_ready  # noqa: E402
 
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
@@ -53,16 +53,7 @@ def run(name: str, flags: list[str], prompts, batch: int, args) -> dict:
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name}: tandem serve exited with {proc.returncode} before it was ready")
-            try:
-                grpc.channel_ready_future(channel).result(timeout=2)
-                break
-            except grpc.FutureTimeoutError:
-                if time.monotonic() > deadline:
-                    raise
+        wait_ready(proc, channel, name)
         stub = pb_grpc.GatewayStub(channel)
         stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
         stub_generate(stub, prompts[0], 8, args)  # warm-up
