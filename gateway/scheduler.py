@@ -384,10 +384,10 @@ class Scheduler:
         items = []
         decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
-            tokens, parents = trees.get(seq.seq_id, ([], []))
+            tokens, parents, draft_probs = trees.get(seq.seq_id, ([], [], None))  # q: rejection-sampling drafts
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
                                     seq.params.sampling, seq.stop, self.spec.needs_features,
-                                    decode_steps if not tokens else 1, _logprobs(seq)))
+                                    decode_steps if not tokens else 1, _logprobs(seq), draft_probs))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
