@@ -31,9 +31,9 @@ def add_verify_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-attention-mode", default="prefill", choices=ATTENTION_MODES,
                    help="SGLang: which of a hybrid setup's backends (--prefill- / --decode-attention-backend) runs "
                         "target verify and draft extend. Tandem has one backend per model service "
-                        "(--attention-backend, --speculative-draft-attention-backend), so both modes run the same "
-                        "kernels: multi-token verify and draft-extend forwards use its tree-mask (prefill-style) "
-                        "kernels, one-token forwards its decode path")
+                        "(--attention-backend, --speculative-draft-attention-backend) that picks its kernel from the "
+                        "forward's shape, so both modes run the same kernels: verify and draft extend use its "
+                        "prefill-style masked kernels. Accepted; changes nothing")
 
 
 def check_verify_args(args: argparse.Namespace) -> None:
