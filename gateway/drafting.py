@@ -51,9 +51,10 @@ class Drafting:
         self.enable_overlap = enable_overlap
 
     async def propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                       ) -> dict[str, tuple[list[int], list[int], object]]:
-        """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
-        pod get no tree (a target-only step). shape: (steps, topk, num_draft_tokens) of this step (None = the
+                       ) -> dict[str, tuple]:
+        """Trees per sequence from the draft pods (one batched call per pod): (tokens, parents[, q of a
+        rejection-sampling draft, opaque bytes]); sequences without a reachable draft pod get no tree (a target-only
+        step). shape: (steps, topk, num_draft_tokens) of this step (None = the
         configured one)."""
         if not self.spec.enabled or not len(self.pool):
             return {}
@@ -66,13 +67,13 @@ class Drafting:
                 seq.draft_synced_len = 0
             if seq.draft is not None:
                 groups[seq.draft].append(seq)
-        trees: dict[str, tuple[list[int], list[int], object]] = {}
+        trees: dict[str, tuple] = {}
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
         return trees
 
     async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                          ) -> dict[str, tuple[list[int], list[int], object]]:
+                          ) -> dict[str, tuple]:
         steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
         try:
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
@@ -116,7 +117,7 @@ class Drafting:
         # features of the guessed tokens, which exist only after the verify.
         return self.enable_overlap and self.spec.algorithm == "STANDALONE" and len(self.pool) > 0
 
-    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int], object]]:
+    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple]:
         """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
         trees = {}
         for seq in seqs:
@@ -126,7 +127,7 @@ class Drafting:
             if predraft.pod is seq.draft and not self.pool.is_down(predraft.pod) and predraft.matches(seq.committed):
                 seq.predraft_hits += 1
                 seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
-                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents, None)
+                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents)
             else:
                 seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
         return trees
@@ -135,7 +136,7 @@ class Drafting:
         """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
         by_pod: dict[object, list] = defaultdict(list)
         for seq in seqs:
-            tokens, parents, _ = trees.get(seq.seq_id, ([], [], None))
+            tokens, parents = trees.get(seq.seq_id, ([], []))[:2]
             if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
                 continue
             path = _first_child_path(tokens, parents)
