@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from draft_service.proposer import ProposeInput, ProposeOutput, SpecShape, Status
 from protos.tandem.v1 import tandem_pb2 as pb
-from protos.wire import tensor_from_pb
+from protos.wire import tensor_from_pb, tensor_to_pb
+from runtime.sampling import SamplingParams
 
 DEFAULT_MAX_DRAFT_TOKENS = 512  # tree nodes one Propose may ask per sequence (as the target's tree limit)
 DEFAULT_MAX_STEPS_X_TOPK = 1024  # num_steps * topk: the draft forwards' candidate tokens per sequence
@@ -49,7 +50,8 @@ def propose_inputs(request: pb.ProposeRequest, limits: Limits = Limits()) -> lis
                 raise ValueError(f"{len(s.new_token_ids)} new tokens > committed_len {s.committed_len}")
             _check_tokens(s.new_token_ids, limits)
             items.append(ProposeInput(s.seq_id, s.committed_len, list(s.new_token_ids), spec,
-                                      features=tensor_from_pb(s.hidden), append_guess=s.append_guess))
+                                      features=tensor_from_pb(s.hidden), append_guess=s.append_guess,
+                                      sampling=_sampling(s)))
         except ValueError as exc:
             items.append(ProposeOutput(s.seq_id, Status.INVALID, base_committed_len=s.committed_len,
                                        error=f"{s.seq_id}: {exc}"))
@@ -81,9 +83,25 @@ def merge(slots: list[ProposeOutput | None], outputs: list[ProposeOutput]) -> li
 
 def propose_result(out: ProposeOutput) -> pb.ProposeResult:
     tree = pb.DraftTree(token_ids=out.tree.token_ids, parents=out.tree.parents)
+    if out.tree.draft_probs is not None:
+        tree.draft_probs.CopyFrom(tensor_to_pb(out.tree.draft_probs))
     return pb.ProposeResult(seq_id=out.seq_id, status=int(out.status), tree=tree,
                             base_committed_len=out.base_committed_len, error=out.error,
                             guessed_token_ids=out.guessed_token_ids)
+
+
+def _sampling(s: pb.ProposeSeq) -> SamplingParams | None:
+    """The temperature/top-k/top-p a sampled request draws with (what a rejection-sampling draft samples q from);
+    None when unset (greedy). ValueError outside their domain (0 = unset for top_p and top_k, as the target reads)."""
+    if not s.HasField("sampling") or s.sampling.temperature == 0.0:
+        return None
+    msg = s.sampling
+    if msg.top_k < -1:
+        raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {msg.top_k}")
+    if msg.top_p != 0.0 and not 0.0 < msg.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (0 = unset), got {msg.top_p}")
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k if msg.top_k > 0 else -1,
+                          seed=msg.seed if msg.HasField("seed") else None)
 
 
 def _check_spec(spec: SpecShape, limits: Limits) -> None:

@@ -4,7 +4,10 @@ target's features of committed tokens, drafting a chain (topk=1) or a top-k beam
 Feature protocol (one-token shift): draft KV position p holds (token t_{p+1}, target feature f_p), so with C
 committed tokens the draft KV covers positions [0, C-1) and its output at C-2 (input: the root t_{C-1} and f_{C-2})
 gives the first draft step. Deeper steps feed the draft's own recurrent hidden instead of the unknown target feature.
-Knows nothing about how the target produced the features or what gets committed.
+With --speculative-use-rejection-sampling, chains (topk 1) of sampled requests are sampled instead of taken greedily:
+each draft token x ~ q, q = the request's temperature/top-k/top-p over the head's logits (mapped into the target
+vocabulary), and the tree carries every q so that the target can verify by p/q rejection. Knows nothing about how
+the target produced the features or what gets committed.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from draft_service.proposer import Proposer, ProposeInput, SpecShape
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
+from runtime.sampling import SamplingParams, process_logits, sample_per_row
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
 from runtime.speculative.draft_step import CatchUp
@@ -37,9 +41,11 @@ class EagleProposer(Proposer):
         engine_config: EngineConfig,
         algorithm: str = "EAGLE",
         token_map: str | Sequence[int] | torch.Tensor | None = None,
+        use_rejection_sampling: bool = False,
     ) -> None:
         """target_path: the target checkpoint (embedding and lm_head are shared from it); draft_path: the published
-        EAGLE / EAGLE-3 head; token_map: FR-Spec hot target ids (EAGLE only), a torch.load-able file or the ids."""
+        EAGLE / EAGLE-3 head; token_map: FR-Spec hot target ids (EAGLE only), a torch.load-able file or the ids;
+        use_rejection_sampling: sample the chains of sampled requests and return their distributions."""
         super().__init__()
         if algorithm.upper() not in ALGORITHMS:
             raise ValueError(f"EagleProposer: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
@@ -48,7 +54,11 @@ class EagleProposer(Proposer):
         self.runner = ModelRunner(None, engine_config, config, model=model)
         self.model = model
         self.feature_size: int = model.feature_size  # F of every features tensor this proposer accepts
-        target_layers = ModelConfig.from_pretrained(target_path).num_layers
+        target_config = ModelConfig.from_pretrained(target_path)
+        target_layers = target_config.num_layers
+        self.target_vocab_size = target_config.vocab_size
+        self.use_rejection_sampling = use_rejection_sampling
+        self._generators: dict[str, torch.Generator] = {}  # the draft's own random stream per sampled sequence
         # What the target must capture: aux layers (EAGLE-3) or None = the final-norm hidden state (EAGLE).
         self.target_capture_layers: list[int] | None = (
             eagle3_capture_layers(target_layers, eagle3_aux_layer_ids(read_config(draft_path)))
@@ -96,13 +106,14 @@ class EagleProposer(Proposer):
             self.runner.free_seq(seq_id)
         self._feats.pop(seq_id, None)
         self._feat_start.pop(seq_id, None)
+        self._generators.pop(seq_id, None)
 
     # ---- drafting --------------------------------------------------------------------------------------------------
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         trees: dict[str, DraftTree] = {}
         # Too close to the context limit, out of KV, or no root feature yet: no proposal, the target decodes alone.
         active = [inp for inp in inputs if self._fits(inp)]
-        static = self._draft_static(active)
+        static = None if any(self._samples(inp) for inp in active) else self._draft_static(active)
         if static is not None:
             return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
         roots = self._catch_up(active)
@@ -145,6 +156,11 @@ class EagleProposer(Proposer):
             self._feats[inp.seq_id] = self._feats[inp.seq_id][-1:]
             self._feat_start[inp.seq_id] = inp.committed_len - 2
         return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
+
+    def _samples(self, inp: ProposeInput) -> bool:
+        """Whether this sequence's chain is sampled (p/q rejection sampling) rather than taken greedily."""
+        return (self.use_rejection_sampling and inp.spec.topk == 1 and inp.sampling is not None
+                and not inp.sampling.is_greedy)
 
     def _fits(self, inp: ProposeInput) -> bool:
         spec, committed_len = inp.spec, inp.committed_len
@@ -192,7 +208,9 @@ class EagleProposer(Proposer):
         parent's recurrent hidden as feature, and attend to the prefix plus their region ancestors."""
         b, k = len(group), spec.topk
         builder = BeamTreeBuilder(b, spec.num_steps, k, spec.num_draft_tokens)
-        nodes = builder.first(torch.log_softmax(root_logits.float(), dim=-1))
+        sampled = [i for i, inp in enumerate(group) if self._samples(inp)]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in group]  # per sequence, q of each step (sampled only)
+        nodes = builder.first(self._pick(group, sampled, root_logits, draft_probs))
         parent_hidden = root_hidden.unsqueeze(1).expand(b, k, -1)  # (b, k, H): the root is every step-0 parent
         for step in range(1, spec.num_steps):
             s = step - 1  # the step whose nodes are forwarded now
@@ -206,17 +224,60 @@ class EagleProposer(Proposer):
                 for i, inp in enumerate(group)
             ]
             out = self.runner.forward(forwards)
-            logprobs = torch.log_softmax(torch.stack(out.logits).float(), dim=-1)  # (b, k, draft_vocab)
+            logits = torch.stack(out.logits)  # (b, k, draft_vocab)
             parent_hidden = torch.stack(out.hidden)  # (b, k, H), beam-rank order
-            nodes = builder.next(logprobs)
+            nodes = builder.next(self._pick(group, sampled, logits, draft_probs))
         trees = builder.finalize()
         ids = torch.tensor([t for tree in trees for t in tree.token_ids], dtype=torch.int64)
         flat = self._to_target(ids).tolist()
         out, start = [], 0
-        for tree in trees:  # one mapping + readback for the whole batch
-            out.append(DraftTree(flat[start:start + len(tree)], tree.parents))
+        for tree, probs in zip(trees, draft_probs):  # one mapping + readback for the whole batch
+            # A sampled chain's node s was drawn at step s; its q travels with it (target vocabulary, float32).
+            q = torch.stack(probs[:len(tree)]).float().cpu() if probs and len(tree) else None
+            out.append(DraftTree(flat[start:start + len(tree)], tree.parents, q))
             start += len(tree)
         return out
+
+    def _pick(self, group: list[ProposeInput], sampled: list[int], logits: torch.Tensor,
+              draft_probs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Log-probabilities the beam builder ranks: the head's log-softmax, except for sampled chains (topk 1),
+        whose row is 0 at a token drawn from q and -inf elsewhere, so the builder takes exactly the sampled token.
+        logits: (b, V_draft) or (b, 1, V_draft); q of each sampled row is appended to draft_probs."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if not sampled:
+            return logprobs
+        rows = logits.float().reshape(len(group), -1)[sampled]  # (s, V_draft): topk 1, one beam node per sequence
+        params = [SamplingParams(temperature=group[i].sampling.temperature, top_p=group[i].sampling.top_p,
+                                 top_k=group[i].sampling.top_k) for i in sampled]
+        q = process_logits(rows, params)  # (s, V_draft): the request's temperature/top-k/top-p, no penalties
+        tokens = sample_per_row(q, [self._generator(group[i]) for i in sampled])  # (s,)
+        forced = torch.full_like(rows, -torch.inf).scatter_(1, tokens.unsqueeze(1), 0.0)
+        logprobs = logprobs.clone()
+        logprobs.view(len(group), -1)[sampled] = forced
+        for j, i in enumerate(sampled):
+            draft_probs[i].append(self._q_in_target_vocab(q[j]))
+        return logprobs
+
+    def _q_in_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """(V_draft,) -> (V_target,): an FR-Spec / d2t head samples only its hot tokens, so q is 0 elsewhere (still
+        exactly the distribution the token was drawn from)."""
+        out = torch.zeros(self.target_vocab_size, device=q.device, dtype=torch.float32)
+        ids = torch.arange(q.shape[0], device=q.device)
+        return out.index_add_(0, self._to_target(ids).to(q.device), q.float())
+
+    def _generator(self, inp: ProposeInput) -> torch.Generator:
+        """The draft's random stream of a sequence. A seeded request gets a stream of its own derived from the seed:
+        the target seeds its coins with the seed itself, and a draft token drawn from the same stream as the coin
+        that tests it would not be independent of it (the p/q rule needs that)."""
+        gen = self._generators.get(inp.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.runner.device)
+            if inp.sampling.seed is not None:
+                gen.manual_seed((inp.sampling.seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % (1 << 63))
+            else:
+                gen.seed()
+            self._generators[inp.seq_id] = gen
+        return gen
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids -> target ids (FR-Spec hot ids / EAGLE-3 d2t offsets applied), on the ids' device;

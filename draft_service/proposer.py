@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 
 
@@ -43,6 +44,9 @@ class ProposeInput:
     # new_token_ids[i]. None for proposers that need only token ids.
     features: torch.Tensor | None = None
     append_guess: bool = False  # pre-draft: append the proposer's greedy next token, draft from it
+    # The request's sampling (temperature/top-k/top-p; sampled requests only): a proposer doing p/q rejection
+    # sampling (--speculative-use-rejection-sampling) samples its chain from it and returns the distributions.
+    sampling: SamplingParams | None = None
 
 
 @dataclass

@@ -58,6 +58,7 @@ class VerifyItem:
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
     logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and k alternatives
+    draft_probs: FeatureRows | None = None  # the draft's q per node (rejection sampling), opaque bytes
 
 
 @dataclass
@@ -88,6 +89,7 @@ class ProposeItem:
     num_draft_tokens: int
     features: FeatureRows | None = None  # one row per new token: the feature of the token before it
     append_guess: bool = False  # pre-draft: new tokens end with a guess; the draft appends its own next token
+    sampling: RequestSampling | None = None  # sampled requests: what a rejection-sampling draft samples from
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Proposal:
     tree_parents: list[int]
     base_committed_len: int
     guessed_token_ids: list[int] = field(default_factory=list)  # pre-draft: the token the draft appended
+    draft_probs: FeatureRows | None = None  # rejection-sampling drafts: q of every node, passed on to Verify
 
 
 STATUS_OK = pb.SEQ_STATUS_OK
@@ -281,7 +284,8 @@ class TargetClient(_Client):
     async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         request = pb.VerifyRequest(seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
-                         tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents),
+                         tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents,
+                                           draft_probs=_features_to_pb(i.draft_probs)),
                          sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
                          num_decode_steps=i.num_decode_steps, return_logprobs=i.logprobs >= 0,
                          top_logprobs=max(i.logprobs, 0))
@@ -318,11 +322,12 @@ class DraftClient(_Client):
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
                           hidden=_features_to_pb(i.features),
                           spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
-                          append_guess=i.append_guess)
+                          append_guess=i.append_guess,
+                          sampling=_sampling(i.sampling) if i.sampling is not None else None)
             for i in items])
         response = await self.propose_stream(request)
         return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len,
-                         list(r.guessed_token_ids)) for r in response.results]
+                         list(r.guessed_token_ids), _features_from_pb(r.tree.draft_probs)) for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)

@@ -51,9 +51,10 @@ class Drafting:
         self.enable_overlap = enable_overlap
 
     async def propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                       ) -> dict[str, tuple[list[int], list[int]]]:
-        """Trees per sequence from the draft pods (one batched call per pod); sequences without a reachable draft
-        pod get no tree (a target-only step). shape: (steps, topk, num_draft_tokens) of this step (None = the
+                       ) -> dict[str, tuple]:
+        """Trees per sequence from the draft pods (one batched call per pod): (tokens, parents[, q of a
+        rejection-sampling draft, opaque bytes]); sequences without a reachable draft pod get no tree (a target-only
+        step). shape: (steps, topk, num_draft_tokens) of this step (None = the
         configured one)."""
         if not self.spec.enabled or not len(self.pool):
             return {}
@@ -66,13 +67,13 @@ class Drafting:
                 seq.draft_synced_len = 0
             if seq.draft is not None:
                 groups[seq.draft].append(seq)
-        trees: dict[str, tuple[list[int], list[int]]] = {}
+        trees: dict[str, tuple] = {}
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
         return trees
 
     async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                          ) -> dict[str, tuple[list[int], list[int]]]:
+                          ) -> dict[str, tuple]:
         steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
         try:
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
@@ -83,7 +84,7 @@ class Drafting:
                         seq.draft_synced_len = len(seq.committed)
             ready = [s for s in seqs if s.draft_synced_len > 0]
             items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], steps, topk, ndt,
-                                 self.features(s, s.draft_synced_len - 1)) for s in ready]
+                                 self.features(s, s.draft_synced_len - 1), sampling=_sampled(s)) for s in ready]
             proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
         except (PodUnavailable, ValueError) as exc:
             if isinstance(exc, PodUnavailable):
@@ -100,7 +101,7 @@ class Drafting:
                 seq.draft_synced_len = 0
             elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
                 seq.draft_synced_len = len(seq.committed)
-                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents)
+                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents, proposal.draft_probs)
         return trees
 
     def features(self, seq: Sequence, start: int):
@@ -116,7 +117,7 @@ class Drafting:
         # features of the guessed tokens, which exist only after the verify.
         return self.enable_overlap and self.spec.algorithm == "STANDALONE" and len(self.pool) > 0
 
-    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple]:
         """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
         trees = {}
         for seq in seqs:
@@ -135,7 +136,7 @@ class Drafting:
         """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
         by_pod: dict[object, list] = defaultdict(list)
         for seq in seqs:
-            tokens, parents = trees.get(seq.seq_id, ([], []))
+            tokens, parents = trees.get(seq.seq_id, ([], []))[:2]
             if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
                 continue
             path = _first_child_path(tokens, parents)
@@ -167,6 +168,12 @@ class Drafting:
                     proposal.base_committed_len == item.committed_len + len(proposal.guessed_token_ids)):
                 seq.predraft = Predraft(pod, proposal.base_committed_len, [*path, *proposal.guessed_token_ids],
                                         proposal.tree_tokens, proposal.tree_parents)
+
+
+def _sampled(seq: Sequence):
+    """The request's sampling for the draft, sampled requests only (a rejection-sampling draft samples from it)."""
+    sampling = seq.params.sampling
+    return sampling if sampling.temperature > 0 else None
 
 
 def _first_child_path(tokens: list[int], parents: list[int]) -> list[int]:

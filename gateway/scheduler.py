@@ -479,10 +479,12 @@ class Scheduler:
         items = []
         decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
-            tokens, parents = trees.get(seq.seq_id, ([], []))
+            tree = trees.get(seq.seq_id, ([], []))
+            tokens, parents = tree[:2]
+            draft_probs = tree[2] if len(tree) > 2 else None  # q of a rejection-sampling draft (opaque bytes)
             items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
                                     seq.params.sampling, seq.stop, self.spec.needs_features,
-                                    decode_steps if not tokens else 1, _logprobs(seq)))
+                                    decode_steps if not tokens else 1, _logprobs(seq), draft_probs))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from tandem.compat import UNBUILT_ALGORITHMS
+from tandem.verify_flags import add_verify_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
@@ -120,6 +121,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-adaptive-config", default=None,
                    help="JSON of batch-size slots, e.g. {\"1\": {\"candidate_steps\": [1, 3, 7]}, \"64\": "
                         "{\"candidate_steps\": [0]}} (default: SGLang's tiers capped at --speculative-num-steps)")
+    add_verify_args(g)
     g.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: min BFS breadth")
     g.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM: max BFS breadth")
     g.add_argument("--speculative-ngram-match-type", default="BFS", choices=["BFS", "PROB"],

@@ -135,12 +135,14 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Start-up checks of a service command, in place: refuse what Tandem does not do (one line), resolve --device
     auto and the speculative triple, and print one warning per flag without effect."""
     from tandem.compat import check_unsupported, print_startup_warnings, resolve_device
+    from tandem.verify_flags import check_verify_args
 
     check_unsupported(args)
     if args.command != "gateway":  # the gateway runs no model
         args.device = resolve_device(args.device)
     (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
      args.speculative_num_draft_tokens) = resolve_spec(args)
+    check_verify_args(args)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     print_startup_warnings(args, {a.dest: a.default for a in sub._actions})
 

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.verify_flags import verify_notes
+
 # Algorithms SGLang has and Tandem does not run yet: parsed, then refused by `check_unsupported`.
 UNBUILT_ALGORITHMS = {
     "UNO": "UNO (LoRA self-drafting by the target) is not supported yet",
@@ -44,18 +46,6 @@ class CompatFlag:
 NOT_YET = "not supported yet"
 NOT_HERE = "not applicable to this deployment"
 COMPAT_FLAGS = (
-    CompatFlag("--speculative-accept-threshold-single", f"{NOT_YET}: acceptance thresholds below 1 (lossy "
-               "acceptance); Tandem verifies exactly", float, 1.0, (1.0,),
-               help="SGLang: accept a draft token outright when its target probability >= this (lossy below 1)"),
-    CompatFlag("--speculative-accept-threshold-acc", f"{NOT_YET}: acceptance thresholds below 1 (lossy acceptance); "
-               "Tandem verifies exactly", float, 1.0, (1.0,),
-               help="SGLang: raise each draft's acceptance probability to min(1, p / this) (lossy below 1)"),
-    CompatFlag("--speculative-use-rejection-sampling", f"{NOT_YET}: chain p/q rejection sampling; sampled requests use "
-               "exact target-only tree sampling, which is lossless too", None, False,
-               help="SGLang: Leviathan/Chen p/q rejection sampling for EAGLE chains"),
-    CompatFlag("--speculative-attention-mode", f"{NOT_YET}: the target verifies trees with its prefill-style "
-               "tree-mask attention only", str, "prefill", ("prefill",), ("prefill", "decode"),
-               help="SGLang: backend used for verify and draft extend; only prefill (SGLang's default) here"),
     CompatFlag("--speculative-draft-model-revision", f"{NOT_HERE}: Tandem loads local checkpoint folders, never a "
                "hub revision; pass the downloaded folder to --speculative-draft-model-path",
                help="SGLang: hub revision of the draft model"),
@@ -168,6 +158,7 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
                      "the next step")
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
+    notes += verify_notes(args)
     if algorithm in ("NGRAM", "NONE"):
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",
                      "speculative_draft_attention_backend"):

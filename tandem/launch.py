@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.args import DEFAULT_DRAFT, model_path
+from tandem.verify_flags import verify_flags
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is restarted
 RESTART_RESET_S = 60.0  # a child that stayed up this long restarts after the first wait again
@@ -79,6 +80,7 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-draft-load-format", args.speculative_draft_load_format]
     if args.speculative_draft_attention_backend:
         flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
+    flags += verify_flags(args)  # accept thresholds, rejection sampling, attention mode
     if getattr(args, "disable_static_draft_step", False):
         flags += ["--disable-static-draft-step"]
     if getattr(args, "disable_static_verify_step", False):

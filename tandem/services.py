@@ -145,7 +145,7 @@ async def run_target(args: argparse.Namespace) -> None:
         widen_dummy_margins(runner.model, engine_config.seed)
     credentials = _server_credentials(args)
     _check_service_auth(args)
-    engine = TargetEngine(runner, **_feature_capture(args, runner))
+    engine = TargetEngine(runner, **_feature_capture(args, runner), accept_thresholds=_accept_thresholds(args))
     _static_verify(engine, args)
     server, port = await serve_target(engine, path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
@@ -158,6 +158,14 @@ async def run_target(args: argparse.Namespace) -> None:
     finally:
         if launcher is not None:
             launcher.stop()
+
+
+def _accept_thresholds(args: argparse.Namespace):
+    """--speculative-accept-threshold-single/-acc (checked at start-up) as the engine's AcceptThresholds."""
+    from runtime.speculative.verify import AcceptThresholds
+
+    return AcceptThresholds(getattr(args, "speculative_accept_threshold_single", 1.0),
+                            getattr(args, "speculative_accept_threshold_acc", 1.0))
 
 
 def _feature_capture(args: argparse.Namespace, runner) -> dict:
@@ -205,7 +213,9 @@ def build_proposer(args: argparse.Namespace):
         engine_config = _engine_config(args, args.speculative_draft_load_format, draft=True)
         _loading("draft", path, engine_config)
         return _static_step(EagleProposer(model_path(args), path, engine_config, algorithm,
-                                          token_map=args.speculative_token_map), args), path
+                                          token_map=args.speculative_token_map,
+                                          use_rejection_sampling=getattr(args, "speculative_use_rejection_sampling",
+                                                                         False)), args), path
     if algorithm == "SYNTHETIC":
         return _static_step(build_synthetic(args), args), str(args.synthetic_oracle or "synthetic")
     raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")

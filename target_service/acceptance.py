@@ -1,5 +1,6 @@
 """What the target does with the logits rows of one sequence: penalties, sampling of a plain decode row, acceptance of
-a draft tree (greedy walk or exact tree sampling), and the log-probabilities it reports. Every path applies the same
+a draft tree (greedy walk, tree sampling — exact, or lossy under accept thresholds < 1 —, or chain p/q rejection
+sampling when the draft sent the distributions it sampled from), and the log-probabilities it reports. Every path applies the same
 processing (runtime.sampling), so a verify step can never drift from plain decoding. Knows nothing about batching, KV
 or the wire; TargetEngine owns the sequences these functions read.
 """
@@ -12,7 +13,8 @@ import torch
 
 from runtime.sampling import SamplingParams, penalize_logits, process_logits
 from runtime.speculative.tree import DraftTree
-from runtime.speculative.verify import VerifyOutcome, verify_greedy, verify_tree_sampling
+from runtime.speculative.verify import (EXACT, AcceptThresholds, VerifyOutcome, verify_chain_rejection, verify_greedy,
+                                        verify_tree_sampling)
 
 if TYPE_CHECKING:
     from target_service.engine import StopRule
@@ -73,9 +75,12 @@ def sample_rows(rows: torch.Tensor | list[int], seq: TargetSeq) -> list[int]:
     return torch.multinomial(probs, 1, generator=seq.generator).squeeze(-1).tolist()
 
 
-def accept(tree: DraftTree, rows: torch.Tensor | list[int], seq: TargetSeq) -> VerifyOutcome:
+def accept(tree: DraftTree, rows: torch.Tensor | list[int], seq: TargetSeq,
+           thresholds: AcceptThresholds = EXACT) -> VerifyOutcome:
     """rows: (num_nodes + 1, vocab) logits or the (num_nodes + 1) argmax tokens; row 0 predicts the token after the
-    root, row i+1 the token after draft node i."""
+    root, row i+1 the token after draft node i. A sampled sequence whose tree carries draft_probs (a chain sampled by
+    the draft, --speculative-use-rejection-sampling) is verified by p/q rejection; other sampled trees by tree
+    sampling under `thresholds`. Greedy sequences ignore both (the argmax walk)."""
     if isinstance(rows, GreedyRows) and rows.walk is not None:  # walked on the device, in the graph
         path, tokens = rows.walk
         return VerifyOutcome([node - 1 for node in path[1:]], tokens, len(path) - 1)
@@ -84,7 +89,10 @@ def accept(tree: DraftTree, rows: torch.Tensor | list[int], seq: TargetSeq) -> V
     rows = penalized(rows, seq, tree)
     if seq.sampling.is_greedy:
         return verify_greedy(tree, rows.argmax(dim=-1))
-    return verify_tree_sampling(tree, process_logits(rows.float(), seq.sampling), seq.generator)
+    probs = process_logits(rows.float(), seq.sampling)  # (num_nodes + 1, vocab): the target distribution p
+    if tree.draft_probs is not None and len(tree):
+        return verify_chain_rejection(tree, probs, tree.draft_probs, seq.generator)
+    return verify_tree_sampling(tree, probs, seq.generator, thresholds)
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[int], list[float]]]:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from protos.tandem.v1 import tandem_pb2 as pb
-from protos.wire import tensor_to_pb
+from protos.wire import tensor_from_pb, tensor_to_pb
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillInput, Status, StepOutput, StopRule,
@@ -51,9 +53,30 @@ def stop_from_pb(msg: pb.StopParams) -> StopRule:
 def tree_from_pb(msg: pb.DraftTree, limits: Limits | None = None) -> DraftTree:
     if limits is not None and len(msg.token_ids) > limits.max_tree_nodes:
         raise ValueError(f"draft tree of {len(msg.token_ids)} nodes exceeds {limits.max_tree_nodes}")
-    tree = DraftTree(list(msg.token_ids), list(msg.parents))
+    tree = DraftTree(list(msg.token_ids), list(msg.parents), _draft_probs(msg, limits))
     tree.validate(limits.vocab_size if limits is not None else None)
     return tree
+
+
+def _draft_probs(msg: pb.DraftTree, limits: Limits | None):
+    """The draft's sampling distributions q (num_nodes, vocab) float32 for p/q rejection sampling, or None. Checked so
+    that the verify cannot fail on them: a chain, one row per node, finite, >= 0, and q > 0 at each drafted token."""
+    if not msg.HasField("draft_probs") or not msg.draft_probs.dtype:
+        return None
+    q = tensor_from_pb(msg.draft_probs)
+    n = len(msg.token_ids)
+    if q.dtype != torch.float32 or q.dim() != 2 or q.shape[0] != n:
+        raise ValueError(f"draft_probs must be float32 (num_nodes={n}, vocab), got {msg.draft_probs.dtype} "
+                         f"{tuple(q.shape)}")
+    if limits is not None and q.shape[1] != limits.vocab_size:
+        raise ValueError(f"draft_probs cover {q.shape[1]} tokens, the target's vocabulary has {limits.vocab_size}")
+    if list(msg.parents) != list(range(-1, n - 1)):
+        raise ValueError("draft_probs come with chains only (rejection sampling needs --speculative-eagle-topk 1)")
+    if n and (not bool(q.isfinite().all()) or bool((q < 0).any())):
+        raise ValueError("draft_probs must be finite and >= 0")
+    if any(t >= q.shape[1] or float(q[i, t]) <= 0.0 for i, t in enumerate(msg.token_ids)):
+        raise ValueError("a drafted token has draft probability 0: it was not sampled from draft_probs")
+    return q
 
 
 def logprobs_from_pb(msg) -> int:

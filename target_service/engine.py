@@ -19,6 +19,7 @@ from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
+from runtime.speculative.verify import EXACT, AcceptThresholds
 from runtime.speculative.verify_step import VerifyItem
 from target_service.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 
@@ -93,10 +94,14 @@ class StepOutput:
 class TargetEngine:
     """Batched prefill/verify over many sequences with one model forward per call."""
 
-    def __init__(self, runner: ModelRunner, feature_layers: list[int] | None = None, final_norm_features=False):
+    def __init__(self, runner: ModelRunner, feature_layers: list[int] | None = None, final_norm_features=False,
+                 accept_thresholds: AcceptThresholds = EXACT):
         """feature_layers: residual-stream layer inputs captured for feature drafts (EAGLE-3 aux states; index
-        num_layers = the last layer's output). final_norm_features: EAGLE-2 features, the lm_head input."""
+        num_layers = the last layer's output). final_norm_features: EAGLE-2 features, the lm_head input.
+        accept_thresholds: SGLang's --speculative-accept-threshold-single/-acc for sampled tree verification (exact
+        at 1.0; lossy below)."""
         self.runner = runner
+        self.accept_thresholds = accept_thresholds
         num_layers = runner.model_config.num_layers
         self._capture = [num_layers] if final_norm_features else feature_layers
         self._final_norm = final_norm_features
@@ -308,7 +313,7 @@ class TargetEngine:
             if rows is None:
                 continue
             seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
-            outcome = accept(inp.tree, rows, seq)
+            outcome = accept(inp.tree, rows, seq, self.accept_thresholds)
             kept_nodes = [0] + [i + 1 for i in outcome.accepted_nodes]  # region nodes: root + accepted path
             self.runner.compact(inp.seq_id, kept_nodes)
             out.num_accepted_drafts = outcome.num_accepted_drafts
@@ -322,11 +327,15 @@ class TargetEngine:
 
     def _verify_static(self, forwards: list[tuple[VerifyInput, SeqForward]], outputs: list[StepOutput]) -> bool:
         """The batch through the static verify step when it can take all of it (greedy, no logprobs or penalties,
-        every tree `width` tokens, within its buckets); False = run the eager path."""
+        every tree `width` tokens, within its buckets); False = run the eager path. The step walks the argmax only:
+        sampled requests — and with them accept thresholds < 1 and p/q rejection sampling, which act on sampled
+        requests alone — always run eagerly."""
         step = self._static_verify
         if step is None or not forwards or len(forwards) > step.max_bs:
             return False
         if not self._fast_greedy(inp for inp, _ in forwards):
+            return False
+        if any(inp.tree.draft_probs is not None for inp, _ in forwards):  # drafted by sampling: never the argmax walk
             return False
         bm = self.runner.block_manager
         spans = {}

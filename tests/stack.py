@@ -45,14 +45,16 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
-                      tokenizer=None):
+                      tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
     static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
     verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1);
     overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; tokenizer: the gateway's
-    (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings."""
+    (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
+    use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
+    accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -67,11 +69,13 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     if algorithm in ("EAGLE", "EAGLE3"):
         from draft_service.eagle import EagleProposer
 
-        proposer = EagleProposer(str(target_path), str(draft_path), engine_config, algorithm)
+        proposer = EagleProposer(str(target_path), str(draft_path), engine_config, algorithm,
+                                 use_rejection_sampling=use_rejection_sampling)
         capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
                    else {"final_norm_features": True})
     servers = []
-    engine = TargetEngine(target_runner, **capture)
+    engine = TargetEngine(target_runner, **capture,
+                          **({"accept_thresholds": accept_thresholds} if accept_thresholds is not None else {}))
     if static_steps:
         assert engine.enable_static_verify(num_draft_tokens, max_bs=4)
     server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps)

@@ -117,3 +117,71 @@ def test_sampled_verify_with_penalties_follows_the_penalised_target_distribution
     assert sum(seconds.values()) > 200
     observed, expected = expected_counts(second, seconds, sum(seconds.values()))
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_rejection_sampled_chain_verify_follows_the_target_distribution(model):
+    """--speculative-use-rejection-sampling through the real target engine: every trial's chain is drawn from a draft
+    distribution q that differs from the target's (x_1 ~ q_1, x_2 ~ q_2, each trial its own draw), q travels in
+    DraftTree.draft_probs, and the emitted tokens follow HF's target distribution at the first and second position."""
+    path, hf = model
+    runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=NUM_TRIALS * 48))
+    engine = TargetEngine(runner)
+    sampling = SamplingParams(temperature=0.9, top_k=8)
+    prompt, root = [3, 17, 42, 9, 100], 55
+    first = hf_probs(hf, [*prompt, root], sampling)
+    vocab = first.numel()
+    gen = torch.Generator().manual_seed(5)
+    # q: mass on the target's top tokens but in the wrong proportions, plus tokens the target (top-k) never emits.
+    top = torch.argsort(first, descending=True).tolist()
+    q1 = torch.zeros(vocab)
+    q1[top[:4]] = torch.tensor([0.1, 0.4, 0.2, 0.1])
+    q1[top[-2:]] = 0.1
+    a = top[0]
+    second = hf_probs(hf, [*prompt, root, a], sampling)
+    q2 = torch.softmax(torch.randn(vocab, generator=gen) * 2, dim=-1)
+    drafts = torch.stack([torch.multinomial(q1, NUM_TRIALS, replacement=True, generator=gen),
+                          torch.multinomial(q2, NUM_TRIALS, replacement=True, generator=gen)], dim=1).tolist()
+    draft_probs = torch.stack([q1, q2])  # (2, vocab): what each node was drawn from
+    stop = StopRule(max_new_tokens=100, prompt_len=len(prompt))
+    seeded = [dataclasses.replace(sampling, seed=i) for i in range(NUM_TRIALS)]
+    engine.prefill([PrefillInput(f"s{i}", [*prompt, root], False, seeded[i], stop) for i in range(NUM_TRIALS)])
+    outputs = engine.verify([VerifyInput(f"s{i}", len(prompt) + 1, root, DraftTree(drafts[i], [-1, 0], draft_probs),
+                                         seeded[i], stop) for i in range(NUM_TRIALS)])
+    assert all(o.status == 0 for o in outputs)
+    observed, expected = expected_counts(first, collections.Counter(o.token_ids[0] for o in outputs), NUM_TRIALS)
+    assert chisquare(observed, expected).pvalue > 1e-3
+    # Emitted `a` followed by a second token means x_1 = a was accepted: the next token must follow p(. | a).
+    seconds = collections.Counter(o.token_ids[1] for o in outputs if o.token_ids[0] == a and len(o.token_ids) > 1)
+    assert sum(seconds.values()) > 200
+    observed, expected = expected_counts(second, seconds, sum(seconds.values()))
+    assert chisquare(observed, expected).pvalue > 1e-3
+    assert any(o.num_accepted_drafts == 0 for o in outputs) and any(o.num_accepted_drafts == 2 for o in outputs)
+    engine.release([f"s{i}" for i in range(NUM_TRIALS)])
+    assert runner.num_free_tokens() == runner.num_total_tokens()
+
+
+def test_accept_thresholds_at_one_are_bit_identical_and_below_one_accept_more(model):
+    """The engine's AcceptThresholds: (1, 1) emits exactly today's tokens for the same seeds; (0.3, 0.3) accepts more
+    drafts of the same trees (lossy, opt-in)."""
+    from runtime.speculative.verify import AcceptThresholds
+
+    path, hf = model
+    sampling = SamplingParams(temperature=1.0)
+    prompt, root = [3, 17, 42, 9, 100], 55
+    first = hf_probs(hf, [*prompt, root], sampling)
+    top = torch.argsort(first, descending=True).tolist()
+    second = hf_probs(hf, [*prompt, root, top[0]], sampling)
+    tree = DraftTree([top[0], top[1], int(torch.argmax(second))], [-1, -1, 0])
+    stop = StopRule(max_new_tokens=100, prompt_len=len(prompt))
+    n = 400
+
+    def run(thresholds: AcceptThresholds | None):
+        runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", max_total_tokens=n * 48))
+        engine = TargetEngine(runner) if thresholds is None else TargetEngine(runner, accept_thresholds=thresholds)
+        seeded = [dataclasses.replace(sampling, seed=i) for i in range(n)]
+        engine.prefill([PrefillInput(f"s{i}", [*prompt, root], False, seeded[i], stop) for i in range(n)])
+        return engine.verify([VerifyInput(f"s{i}", len(prompt) + 1, root, tree, seeded[i], stop) for i in range(n)])
+
+    today, ones, lossy = run(None), run(AcceptThresholds(1.0, 1.0)), run(AcceptThresholds(0.3, 0.3))
+    assert [o.token_ids for o in ones] == [o.token_ids for o in today]
+    assert sum(o.num_accepted_drafts for o in lossy) > 1.2 * sum(o.num_accepted_drafts for o in today)

@@ -26,7 +26,10 @@ SGLANG_FLAGS = [
     ["--speculative-use-rejection-sampling"], ["--speculative-accept-threshold-acc", "0.5"],
 ]
 WARN_ONLY = {"--trust-remote-code"}
-SUPPORTED = {"--disable-overlap-schedule"}  # SGLang flags Tandem acts on (parsed by every command, like the others)
+# SGLang flags Tandem acts on (parsed by every command, like the others): the overlap schedule, and issue 12 part 3's
+# verify knobs (tests/test_verify_flags.py checks their rules).
+ACCEPTED = {"--disable-overlap-schedule", "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
+            "--speculative-use-rejection-sampling", "--speculative-attention-mode"}
 
 
 def _prepare(*flags: str, command: str = "serve"):
@@ -43,7 +46,7 @@ def test_every_sglang_flag_parses_in_every_service_command(flag):
         build_parser().parse_args([command, *extra, *flag])  # no "unrecognized arguments"
 
 
-@pytest.mark.parametrize("flag", [f for f in SGLANG_FLAGS if f[0] not in WARN_ONLY | SUPPORTED], ids=lambda f: f[0])
+@pytest.mark.parametrize("flag", [f for f in SGLANG_FLAGS if f[0] not in WARN_ONLY | ACCEPTED], ids=lambda f: f[0])
 def test_unsupported_flags_are_refused_at_start_up_with_one_line(flag):
     with pytest.raises(SystemExit) as exc:
         _prepare("--speculative-algorithm", "EAGLE3", *flag)

@@ -2,10 +2,12 @@
 
 Row conventions for the target tensors: row 0 is the root's output (the token after the last committed token) and
 row i+1 is draft node i's. Probabilities arrive already processed by runtime.sampling.process_logits, so this module
-knows nothing about temperature/top-k/top-p and never needs draft probabilities (target-only sampling is exact).
+knows nothing about temperature/top-k/top-p. Target-only tree sampling needs no draft probabilities; chain rejection
+sampling (--speculative-use-rejection-sampling) takes the distribution q each draft token was sampled from.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +15,29 @@ import torch
 
 from runtime.sampling import sample_with_coins
 from runtime.speculative.tree import ROOT, DraftTree
+
+
+@dataclass(frozen=True)
+class AcceptThresholds:
+    """SGLang's --speculative-accept-threshold-single / -acc (reference §3.2), applied by tree sampling only. Both at
+    1.0 (the default) is exact sampling from the target; below 1 is lossy: a draft token is accepted outright when
+    its target probability is >= single, and the siblings' cumulative acceptance probability rises from P to
+    min(1, P / acc). Greedy verification ignores them (a greedy target is one-hot: nothing more to accept)."""
+
+    single: float = 1.0
+    acc: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, value in (("single", self.single), ("acc", self.acc)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0.0 < value <= 1.0):
+                raise ValueError(f"--speculative-accept-threshold-{name} must be in (0, 1], got {value!r}")
+
+    @property
+    def exact(self) -> bool:
+        return self.single == 1.0 and self.acc == 1.0
+
+
+EXACT = AcceptThresholds()
 
 
 @dataclass
@@ -54,9 +79,11 @@ def verify_greedy(tree: DraftTree, target_argmax: torch.Tensor | Sequence[int]) 
 
 
 def verify_tree_sampling(
-    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None,
+    thresholds: AcceptThresholds = EXACT,
 ) -> VerifyOutcome:
-    """Exact target-only tree sampling (SGLang tree_speculative_sampling_target_only with thresholds at 1).
+    """Target-only tree sampling (SGLang tree_speculative_sampling_target_only): exact at the default thresholds,
+    lossy (accepts more) below 1.
 
     target_probs: (n+1, V) processed target distributions; the generator must live on their device. The random
     stream consumed is fixed per call (n+2 coins), so a seeded generator reproduces the same outputs whatever was
@@ -85,7 +112,7 @@ def verify_tree_sampling(
             if token in rejected:
                 continue
             mass += node_probs[child]
-            if coin < mass:
+            if coin < mass or (not thresholds.exact and _lossy_accept(coin, mass, node_probs[child], thresholds)):
                 chosen = child
                 break
             rejected.append(token)
@@ -106,6 +133,47 @@ def verify_tree_sampling(
     return VerifyOutcome(accepted, tokens, len(accepted))
 
 
+def verify_chain_rejection(
+    tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> VerifyOutcome:
+    """Chain p/q rejection sampling (Leviathan et al. / Chen et al.; SGLang's --speculative-use-rejection-sampling).
+
+    tree: a chain whose node i was sampled from draft_probs[i] = q_i (V,), exactly that distribution (same vocab,
+    temperature); target_probs: (n+1, V) processed target distributions p. Node i is accepted with probability
+    min(1, p(x)/q(x)); the first rejection emits a sample of norm(max(p - q, 0)), which makes the emitted token
+    exactly p-distributed; a fully accepted chain emits a sample of p after its last node (the bonus). The random
+    stream is fixed per call (n+1 coins), as in verify_tree_sampling."""
+    num_rows, vocab_size = target_probs.shape
+    _check_rows(tree, num_rows)
+    if tree.parents != list(range(-1, len(tree) - 1)):
+        raise ValueError("rejection sampling verifies chains only (--speculative-eagle-topk 1)")
+    if draft_probs.shape != (len(tree), vocab_size):
+        raise ValueError(f"draft_probs must be (num_nodes={len(tree)}, vocab={vocab_size}), "
+                         f"got {tuple(draft_probs.shape)}")
+    device = target_probs.device
+    coins = torch.rand(num_rows, generator=generator, device=device, dtype=torch.float64)  # (n+1,)
+    n = len(tree)
+    tokens = torch.tensor(tree.token_ids, device=device, dtype=torch.int64)  # (n,)
+    rows = torch.arange(n, device=device)
+    p_x = target_probs[rows, tokens].double().tolist() if n else []  # p(x_i | prefix), row i predicts node i
+    q_x = draft_probs.to(device)[rows, tokens].double().tolist() if n else []
+    coin_list = coins.tolist()
+    accepted: list[int] = []
+    for i in range(n):
+        if q_x[i] <= 0.0:
+            raise ValueError(f"draft node {i} has draft probability 0: it cannot have been sampled from draft_probs")
+        if coin_list[i] * q_x[i] < p_x[i]:  # P(accept) = min(1, p/q)
+            accepted.append(i)
+            continue
+        # Rejected: the residual max(p - q, 0) holds exactly the mass p has beyond what acceptance already gave.
+        residual = (target_probs[i].double() - draft_probs[i].to(device).double()).clamp_min(0.0)
+        row = residual if bool(residual.sum() > 0) else target_probs[i].double()  # p == q up to rounding: sample p
+        bonus = int(sample_with_coins(row.unsqueeze(0), coins[-1:]).item())
+        return VerifyOutcome(accepted, [*tree.token_ids[:i], bonus], len(accepted))
+    bonus = int(sample_with_coins(target_probs[n].unsqueeze(0), coins[-1:]).item())
+    return VerifyOutcome(accepted, [*tree.token_ids, bonus], n)
+
+
 def verify_batch(
     trees: Sequence[DraftTree],
     target_rows: Sequence[torch.Tensor],
@@ -120,6 +188,12 @@ def verify_batch(
         verify_greedy(tree, rows.argmax(dim=-1)) if is_greedy else verify_tree_sampling(tree, rows, gen)
         for tree, rows, is_greedy, gen in zip(trees, target_rows, greedy, generators)
     ]
+
+
+def _lossy_accept(coin: float, mass: float, prob: float, thresholds: AcceptThresholds) -> bool:
+    """SGLang's threshold rule: the cumulative sibling mass is scaled by 1/acc, and a token with target probability
+    >= single is accepted outright (both clamped to >= 1e-9 as SGLang does)."""
+    return coin <= mass / max(thresholds.acc, 1e-9) or prob >= max(thresholds.single, 1e-9)
 
 
 def _check_rows(tree: DraftTree, num_rows: int) -> None:

@@ -1,4 +1,5 @@
-"""Greedy tree verification cases and a χ² proof that target-only tree sampling reproduces the target distribution."""
+"""Greedy tree verification cases, a χ² proof that target-only tree sampling and chain p/q rejection sampling reproduce
+the target distribution, and SGLang's lossy accept thresholds (exact at 1.0, accepting more below)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +9,8 @@ from scipy.stats import chisquare
 
 from runtime.sampling import SamplingParams, process_logits
 from runtime.speculative.tree import DraftTree
-from runtime.speculative.verify import verify_batch, verify_greedy, verify_tree_sampling
+from runtime.speculative.verify import (AcceptThresholds, verify_batch, verify_chain_rejection, verify_greedy,
+                                        verify_tree_sampling)
 
 V = 8
 
@@ -172,3 +174,119 @@ def test_chi2_catches_duplicate_sibling_double_counting():
     tree, probs = _make_case("dup", "temp0.7")
     runs = _run(_broken_verify_double_counting, tree, probs, 4000)
     assert _chi2_pvalue([r[0] for r in runs], probs[0]) < 1e-6
+
+
+# ---- accept thresholds (SGLang §3.2, lossy below 1) -------------------------------------------------------------
+
+@pytest.mark.parametrize("structure", list(TREES))
+def test_thresholds_at_one_are_bit_identical_to_exact_tree_sampling(structure):
+    tree, probs = _make_case(structure, "temp0.7")
+    exact = _run(verify_tree_sampling, tree, probs, 500)
+    ones = _run(lambda t, p, g: verify_tree_sampling(t, p, g, AcceptThresholds(1.0, 1.0)), tree, probs, 500)
+    assert exact == ones
+
+
+@pytest.mark.parametrize("thresholds", [AcceptThresholds(acc=0.3), AcceptThresholds(single=0.2),
+                                        AcceptThresholds(0.5, 0.5)], ids=["acc", "single", "both"])
+def test_thresholds_below_one_accept_more_drafts(thresholds):
+    tree, probs = _make_case("wide", "temp0.7")
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    exact = [verify_tree_sampling(tree, probs, gen_a).num_accepted_drafts for _ in range(2000)]
+    lossy = [verify_tree_sampling(tree, probs, gen_b, thresholds).num_accepted_drafts for _ in range(2000)]
+    assert sum(lossy) > sum(exact) * 1.1
+
+
+def test_threshold_single_accepts_a_likely_token_outright():
+    probs = torch.tensor([[0.6, 0.4, 0.0], [0.2, 0.3, 0.5]])
+    tree = DraftTree.chain([0])  # p = 0.6 at the root's row
+    coins_high = [verify_tree_sampling(tree, probs, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert any(o.num_accepted_drafts == 0 for o in coins_high)  # exact: rejected when the coin lands past 0.6
+    lossy = [verify_tree_sampling(tree, probs, torch.Generator().manual_seed(s), AcceptThresholds(single=0.6))
+             for s in range(200)]
+    assert all(o.num_accepted_drafts == 1 for o in lossy)
+
+
+@pytest.mark.parametrize("single, acc", [(0.0, 1.0), (1.0, 0.0), (1.5, 1.0), (1.0, -0.1), (float("nan"), 1.0)])
+def test_accept_thresholds_outside_zero_one_are_refused(single, acc):
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+        AcceptThresholds(single, acc)
+
+
+# ---- chain rejection sampling (p/q, Leviathan/Chen) -------------------------------------------------------------
+
+def _rejection_case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target rows p (3, V) and draft distributions q (2, V) that differ a lot (so accepts, rejections and the
+    residual all happen); q has mass where p has none and p where q has none."""
+    gen = torch.Generator().manual_seed(seed)
+    p = process_logits(torch.randn(3, V, generator=gen) * 1.5, SamplingParams(temperature=0.8, top_k=6))
+    q = torch.softmax(torch.randn(2, V, generator=gen), dim=-1)
+    q[:, int(p[0].argmax())] *= 0.1  # the draft under-proposes the target's favourite
+    return p, q / q.sum(dim=-1, keepdim=True)
+
+
+def _rejection_runs(p: torch.Tensor, q: torch.Tensor, num_trials: int, second_row=None) -> list[list[int]]:
+    """Each trial drafts a chain x_1 ~ q_0, x_2 ~ q_1 (the draft's own stream), then verifies it with p/q rejection.
+    second_row(x_1) -> p's row for position 2 given x_1 (a context-dependent target); default: p[1]."""
+    draft_gen, verify_gen = torch.Generator().manual_seed(99), torch.Generator().manual_seed(1234)
+    runs = []
+    for _ in range(num_trials):
+        x = torch.multinomial(q, 1, generator=draft_gen).squeeze(-1).tolist()
+        rows = p if second_row is None else torch.stack([p[0], second_row(x[0]), p[2]])
+        runs.append(verify_chain_rejection(DraftTree.chain(x), rows, q, verify_gen).tokens)
+    return runs
+
+
+def test_chain_rejection_sampling_is_exact():
+    p, q = _rejection_case()
+    # A context-dependent second row: what follows x_1 depends on x_1, as for a real target.
+    second = {t: process_logits(torch.randn(V, generator=torch.Generator().manual_seed(t)).unsqueeze(0) * 1.5,
+                                SamplingParams(temperature=0.9))[0] for t in range(V)}
+    runs = _rejection_runs(p, q, NUM_TRIALS, lambda t: second[t])
+    assert _chi2_pvalue([r[0] for r in runs], p[0]) > 1e-3
+    accepted_first = [r for r in runs if len(r) >= 2]
+    assert 300 < len(accepted_first) < NUM_TRIALS - 300  # both branches ran
+    for token in range(V):
+        seconds = [r[1] for r in accepted_first if r[0] == token]
+        if len(seconds) >= 300:
+            assert _chi2_pvalue(seconds, second[token]) > 1e-3
+
+
+def _broken_rejection_without_residual(tree, p, q, gen):
+    """The bug the real verifier avoids: resampling from p (not norm(max(p - q, 0))) after a rejection."""
+    coin = float(torch.rand(1, generator=gen, dtype=torch.float64))
+    x = tree.token_ids[0]
+    if coin * float(q[0, x]) < float(p[0, x]):
+        return [x]
+    return [int(torch.multinomial(p[0], 1, generator=gen))]
+
+
+def test_chi2_catches_rejection_sampling_without_the_residual():
+    p, q = _rejection_case()
+    draft_gen, gen = torch.Generator().manual_seed(99), torch.Generator().manual_seed(1234)
+    firsts = []
+    for _ in range(4000):
+        x = torch.multinomial(q, 1, generator=draft_gen).squeeze(-1).tolist()
+        firsts.append(_broken_rejection_without_residual(DraftTree.chain(x), p, q, gen)[0])
+    assert _chi2_pvalue(firsts, p[0]) < 1e-6
+
+
+def test_chain_rejection_with_q_equal_p_accepts_everything():
+    p, _ = _rejection_case()
+    out = verify_chain_rejection(DraftTree.chain([int(p[0].argmax()), int(p[1].argmax())]), p, p[:2].clone(),
+                                 torch.Generator().manual_seed(0))
+    assert out.num_accepted_drafts == 2 and len(out.tokens) == 3 and p[2, out.tokens[-1]] > 0
+
+
+@pytest.mark.parametrize("case", ["tree", "shape", "zero_q"])
+def test_chain_rejection_refuses_what_it_cannot_verify_exactly(case):
+    p, q = _rejection_case()
+    tree = DraftTree.chain([1, 2])
+    if case == "tree":
+        tree = DraftTree([1, 2], [-1, -1])
+    elif case == "shape":
+        q = q[:, :-1]
+    else:
+        q = q.clone()
+        q[0, 1] = 0.0
+    with pytest.raises(ValueError):
+        verify_chain_rejection(tree, p, q, torch.Generator().manual_seed(0))

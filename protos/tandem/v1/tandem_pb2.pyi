@@ -328,20 +328,22 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class ProposeSeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "hidden", "spec", "append_guess")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "hidden", "spec", "append_guess", "sampling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     APPEND_GUESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     spec: SpecParams
     append_guess: bool
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., append_guess: _Optional[bool] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., append_guess: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("seqs",)
