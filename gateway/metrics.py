@@ -92,7 +92,8 @@ class GatewayMetrics:
                                      "gateway sees it", registry=r, buckets=RPC_BUCKETS)
         self.prefill_time = Histogram(P + "prefill_time_seconds", "One batched target Prefill RPC", registry=r,
                                       buckets=RPC_BUCKETS)
-        self.step_time = Histogram(P + "step_time_seconds", "One speculative step of the whole running batch",
+        self.step_time = Histogram(P + "step_time_seconds", "One speculative step of the whole running batch (or "
+                                   "one ping-pong phase: half the batch verifies while the other half drafts)",
                                    registry=r, buckets=RPC_BUCKETS)
         self.overlap_iterations = Counter(P + "overlap_iterations", "Loop iterations by overlap mode (gateway/"
                                           "overlap.py): sequential steps, or ping-pong phases of two half batches",

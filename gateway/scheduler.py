@@ -257,7 +257,7 @@ class Scheduler:
         if len(active) < len(self._running):  # sequences that step no more (or not now): stream what they hold
             self._deliver([s for s in self._running if s.needs_target_prefill])
         if active:
-            await self.metrics.timed("step", self._step(active))
+            await self._step(active)
             self.num_steps += 1
         elif any(s.no_target_since is not None for s in self._running):
             await asyncio.sleep(0.05)  # sequences wait for a target pod: poll the pools, do not spin
@@ -370,20 +370,26 @@ class Scheduler:
                 seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
 
     async def _step(self, seqs: list[Sequence]) -> None:
+        """One step of the running batch (step_time), or one ping-pong phase: half of it verifies, half drafts
+        (a phase that only drafts, filling the pipeline, is not a step)."""
+        start = time.perf_counter()
         if self.overlap is None:
             await self._sequential_step(seqs)
+            self.metrics.step_time.observe(time.perf_counter() - start)
             return
         mode = self.overlap.mode_for(len(seqs))
         self.metrics.overlap_iterations.labels(mode).inc()
         # Steady iterations only: a sequence's first steps include the draft's catch-up over its prompt.
         steady = all(s.verify_steps >= 2 for s in seqs)
-        before, start = sum(s.num_output for s in seqs), time.perf_counter()
-        await (self._pingpong_step(seqs) if mode == PINGPONG else self._sequential_step(seqs))
+        before = sum(s.num_output for s in seqs)
+        verified = await self._pingpong_step(seqs) if mode == PINGPONG else await self._sequential_step(seqs)
+        seconds = time.perf_counter() - start
+        if verified is not False:
+            self.metrics.step_time.observe(seconds)
         if steady:
-            self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before,
-                                 time.perf_counter() - start)
+            self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before, seconds)
 
-    async def _pingpong_step(self, seqs: list[Sequence]) -> None:
+    async def _pingpong_step(self, seqs: list[Sequence]) -> bool:
         """One phase of the two ping-ponging halves (gateway/overlap.py): the half drafted last phase verifies on
         the target pods while the other half drafts on the draft pods. Starting from nothing pending, half the batch
         drafts alone (filling the pipeline)."""
@@ -414,6 +420,7 @@ class Scheduler:
         if verifying and drafting:  # both pods in flight at once: the time the split bought
             (v0, v1), (d0, d1) = spans["verify"], spans["draft"]
             self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+        return bool(verifying)
 
     async def _propose_delivering(self, seqs: list[Sequence], to_propose: list[Sequence], shape=None) -> dict:
         """Propose for `to_propose` and, while that call is in flight, deliver the held outputs of `seqs`."""
