@@ -54,6 +54,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str | None = None  # dtype the checkpoint was saved in ("bfloat16", ...); "auto" uses it on GPU
+    # MTP / NextN layers stored after the decoder (`model.layers.{num_layers + i}.*`, config num_nextn_predict_layers):
+    # the draft's (runtime/models/mtp.py), not part of the target's forward.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -128,6 +131,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos_token_ids if eos_token_ids is not None else _as_id_list(hf_config.eos_token_id)),
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             torch_dtype=dtype,
+            num_mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),
         )
 
 

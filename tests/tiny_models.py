@@ -77,3 +77,43 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """(len(token_ids), vocab) float32 logits of HF on one causal sequence."""
     out = hf_model(torch.tensor([token_ids]))
     return out.logits[0].float()
+
+
+def add_mtp_layers(path: str, num_layers: int = 2, seed: int = 5, std: float = 0.2) -> str:
+    """Append `num_layers` MTP / NextN layers to a tiny checkpoint in DeepSeek-V3's layout (`model.layers.{L + i}.*`:
+    enorm, hnorm, eh_proj, a decoder layer, shared_head.norm; config num_nextn_predict_layers), in a second
+    safetensors file that HF transformers does not read (its model has no such layers, as for real MTP checkpoints)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    h, inter, L = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or h // heads
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: std * torch.randn(*shape, generator=gen)  # noqa: E731
+    norm = lambda n: 1.0 + 0.1 * torch.randn(n, generator=gen)  # noqa: E731
+    tensors = {}
+    for i in range(num_layers):
+        p = f"model.layers.{L + i}."
+        tensors.update({
+            p + "enorm.weight": norm(h), p + "hnorm.weight": norm(h), p + "eh_proj.weight": rand(h, 2 * h),
+            p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.q_proj.weight": rand(heads * hd, h), p + "self_attn.k_proj.weight": rand(kv * hd, h),
+            p + "self_attn.v_proj.weight": rand(kv * hd, h), p + "self_attn.o_proj.weight": rand(h, heads * hd),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter), p + "shared_head.norm.weight": norm(h)})
+        if config.get("model_type") == "qwen2":
+            for proj, rows in (("q_proj", heads * hd), ("k_proj", kv * hd), ("v_proj", kv * hd)):
+                tensors[p + f"self_attn.{proj}.bias"] = 0.1 * torch.randn(rows, generator=gen)
+        if config.get("model_type") == "qwen3":
+            tensors[p + "self_attn.q_norm.weight"] = norm(hd)
+            tensors[p + "self_attn.k_norm.weight"] = norm(hd)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "mtp.safetensors"))
+    config["num_nextn_predict_layers"] = num_layers
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return path

@@ -113,6 +113,8 @@ def load_safetensors_weights(model: nn.Module, model_path: str, model_config: Mo
                 if model_config.tie_word_embeddings:
                     continue  # some tied checkpoints store a copy; the embedding is the source of truth
             name, shard = _map_name(hf_name)
+            if _is_mtp_layer(hf_name, model_config):
+                continue  # the MTP layers after the decoder are a draft's (runtime/models/mtp.py)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {model_config.architecture}")
             if tp_slice is not None:
@@ -141,6 +143,12 @@ def load_safetensors_weights(model: nn.Module, model_path: str, model_config: Mo
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint at {model_path} lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _is_mtp_layer(hf_name: str, model_config: ModelConfig) -> bool:
+    m = _LAYER_RE.match(hf_name)
+    return (m is not None and model_config.num_mtp_layers > 0
+            and model_config.num_layers <= int(m.group(1)) < model_config.num_layers + model_config.num_mtp_layers)
 
 
 def _map_name(hf_name: str) -> tuple[str, int | None]:
