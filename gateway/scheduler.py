@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from core import algorithms
 from gateway.adaptive import AdaptiveSpec
 from gateway.drafting import Drafting, SpecConfig
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable,
@@ -74,10 +75,10 @@ class Scheduler:
         """adaptive: per-batch-size choice of the draft steps (gateway/adaptive.py); chain drafts only."""
         if not targets:
             raise ValueError("at least one target pod is needed")
-        if adaptive is not None and (spec.topk != 1 or spec.algorithm in ("NONE", "NGRAM")
+        if adaptive is not None and (spec.topk != 1 or not spec.entry.supports_adaptive
                                      or config.enable_overlap_drafting):
-            raise ValueError("adaptive speculation needs a chain draft (topk 1; STANDALONE, EAGLE, EAGLE3) and no "
-                             "overlapped drafting")
+            chains = ", ".join(algorithms.names(lambda a: a.supports_adaptive))
+            raise ValueError(f"adaptive speculation needs a chain draft (topk 1; {chains}) and no overlapped drafting")
         self.adaptive = adaptive
         self.targets = PodPool(targets, config.pod_retry_s)
         self.router = PrefixRouter(config.routing)
