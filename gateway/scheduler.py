@@ -36,8 +36,6 @@ from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, Generat
 
 logger = logging.getLogger(__name__)
 
-_FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -349,7 +347,7 @@ class Scheduler:
             elif result.status != STATUS_OK:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs)
 
     async def _step(self, seqs: list[Sequence]) -> None:
         overlap = self.drafting.overlap_enabled
@@ -418,7 +416,7 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs)
 
 
 def _logprobs(seq: Sequence) -> int:
