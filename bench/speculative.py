@@ -89,7 +89,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
     from draft_service.proposer import ProposeInput
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
-    from target_service.engine import Finish, PrefillInput, StopRule, VerifyInput
+    from target_service.engine import PrefillInput, StopRule, VerifyInput
 
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     greedy = SamplingParams(temperature=0.0)
@@ -101,7 +101,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
             proposer.prefill(s, committed[s])
         proposer.propose([ProposeInput(s, len(committed[s]), [], spec) for s in ids])  # head catch-up, untimed
     new = {s: [] for s in ids}
-    active = [o.seq_id for o in outs if o.finish == Finish.NONE]
+    active = [o.seq_id for o in outs if o.finish is None]
     steps = tokens = seq_steps = 0
     t_draft = t_verify = t_verify_fwd = 0.0
     sync(engine.device)
@@ -124,7 +124,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
             committed[o.seq_id] += o.token_ids
             new[o.seq_id] = o.token_ids
             tokens += len(o.token_ids)
-            if o.finish != Finish.NONE:
+            if o.finish is not None:
                 done.add(o.seq_id)
         if proposer is not None and done:
             proposer.release(sorted(done))

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from core import algorithms
+from core.algorithms import DraftModel, TargetFeatures
 from draft_service.proposer import Proposer, ProposeInput, SpecShape
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
@@ -26,7 +28,6 @@ from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
 from runtime.speculative.draft_step import CatchUp
 from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
 
-ALGORITHMS = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3"}
 
 
 class EagleProposer(Proposer):
@@ -47,9 +48,12 @@ class EagleProposer(Proposer):
         EAGLE / EAGLE-3 head; token_map: FR-Spec hot target ids (EAGLE only), a torch.load-able file or the ids;
         use_rejection_sampling: sample the chains of sampled requests and return their distributions."""
         super().__init__()
-        if algorithm.upper() not in ALGORITHMS:
-            raise ValueError(f"EagleProposer: algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-        self.algorithm = ALGORITHMS[algorithm.upper()]
+        entry = algorithms.find(algorithm)
+        if entry is None or entry.draft_model is not DraftModel.HEAD:
+            heads = sorted(n for a in algorithms.ALGORITHMS.values() if a.draft_model is DraftModel.HEAD
+                           for n in (a.name, *a.aliases))
+            raise ValueError(f"EagleProposer: algorithm must be one of {heads}, got {algorithm!r}")
+        self.algorithm = entry.name
         model, config = load_draft_head(draft_path, target_path, engine_config, self.algorithm, token_map)
         self.runner = ModelRunner(None, engine_config, config, model=model)
         self.model = model
@@ -62,7 +66,7 @@ class EagleProposer(Proposer):
         # What the target must capture: aux layers (EAGLE-3) or None = the final-norm hidden state (EAGLE).
         self.target_capture_layers: list[int] | None = (
             eagle3_capture_layers(target_layers, eagle3_aux_layer_ids(read_config(draft_path)))
-            if self.algorithm == "EAGLE3" else None
+            if entry.target_features is TargetFeatures.AUX_LAYERS else None
         )
         self.max_context_len = config.max_position_embeddings
         self._feats: dict[str, torch.Tensor] = {}  # raw target features for draft positions [feat_start, C-1)
@@ -286,3 +290,15 @@ class EagleProposer(Proposer):
         if mapping is None:
             return draft_ids
         return mapping[draft_ids.to(mapping.device)]
+
+
+def build(build) -> tuple[EagleProposer, str]:
+    """Registry factory (core/algorithms.py): the EAGLE / EAGLE-3 head of --speculative-draft-model-path.
+    build: tandem.services.DraftBuild."""
+    args = build.args
+    path = str(args.speculative_draft_model_path)
+    engine_config = build.engine_config()
+    build.loading(path, engine_config)
+    return EagleProposer(build.target_path, path, engine_config, args.speculative_algorithm,
+                         token_map=args.speculative_token_map,
+                         use_rejection_sampling=getattr(args, "speculative_use_rejection_sampling", False)), path

@@ -40,3 +40,13 @@ def pad_tree(tree: DraftTree, num_draft_tokens: int) -> DraftTree:
     if not tree.token_ids or missing <= 0:
         return tree
     return DraftTree(tree.token_ids + [0] * missing, tree.parents + [-1] * missing)
+
+
+def build(build) -> tuple[NgramDraft, str]:
+    """Registry factory (core/algorithms.py): the trie from the --speculative-ngram-* flags (no model to load).
+    build: tandem.services.DraftBuild."""
+    args = build.args
+    return NgramDraft(NgramConfig(
+        min_bfs_breadth=args.speculative_ngram_min_bfs_breadth, max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+        match_type=args.speculative_ngram_match_type, max_trie_depth=args.speculative_ngram_max_trie_depth,
+        capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens)), "ngram"

@@ -11,20 +11,13 @@ state, dropped by the next Propose's rollback when the guess was wrong.
 from __future__ import annotations
 
 import abc
-import enum
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime.sampling import SamplingParams
+from core.types import SeqStatus as Status
 from runtime.speculative.tree import DraftTree
-
-
-class Status(enum.IntEnum):  # values equal tandem.v1.SeqStatus
-    OK = 0
-    STALE = 1
-    OUT_OF_MEMORY = 2
-    INVALID = 3
 
 
 @dataclass(frozen=True)

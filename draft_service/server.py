@@ -13,6 +13,7 @@ import time
 
 from draft_service import convert
 from draft_service.proposer import ProposeInput, ProposeOutput, Proposer, Status
+from protos import leases
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
@@ -99,22 +100,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def free_idle(self) -> int:
         """Free the sequences no call has used within the idle TTL (their gateway is gone); returns how many."""
-        idle = self.leases.idle()
-        if not idle:
-            return 0
-        released = await self.worker.run(self.proposer.release, idle, inline=True)
-        self.leases.forget(idle)
-        if released:
-            logger.warning("freed %d sequences idle for more than %.0fs", released, self.leases.idle_ttl_s)
-        return released
-
-    async def free_idle_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.leases.idle_ttl_s / 4, 10.0))
-            try:
-                await self.free_idle()
-            except Exception:  # never let one failed sweep end the sweeping
-                logger.exception("freeing idle sequences failed")
+        return await leases.free_idle(self.leases, self.worker, self.proposer.release)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         return pb.ModelInfo(model_path=self.model_path, algorithm=self.proposer.algorithm, memory=self._memory(),
@@ -138,6 +124,7 @@ async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int,
         interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
         service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
-    server.idle_sweeper = asyncio.create_task(servicer.free_idle_forever())  # ends with the event loop
+    server.idle_sweeper = asyncio.create_task(  # ends with the event loop
+        leases.free_idle_forever(servicer.free_idle, servicer.leases.idle_ttl_s))
     logger.info("draft service (%s) listening on %s:%d", proposer.algorithm, host, bound)
     return server, bound

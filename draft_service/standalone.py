@@ -6,6 +6,7 @@ length. The draft's KV for committed tokens is reused across steps; only specula
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import torch
@@ -133,3 +134,14 @@ class StandaloneProposer(Proposer):
             nodes = builder.next(logprobs)
         return builder.finalize()
 
+
+
+def build(build) -> tuple[StandaloneProposer, str]:
+    """Registry factory (core/algorithms.py): a small LM from --speculative-draft-model-path (default: the bundled
+    demo draft). build: tandem.services.DraftBuild."""
+    path = str(build.draft_path)
+    # A plain LM's KV depends on the tokens alone, so the draft shares prompt prefixes too (EAGLE's depends on
+    # target features: no cache there).
+    config = dataclasses.replace(build.engine_config(),
+                                 enable_prefix_cache=not getattr(build.args, "disable_radix_cache", False))
+    return StandaloneProposer(build.runner(path, config)), path

@@ -403,3 +403,22 @@ class SyntheticProposer(Proposer):
                 if keep[pos]:
                     out[i] = truths[i]
         return DraftTree(out, list(shape.parents))
+
+
+def build(build) -> tuple[SyntheticProposer, str]:
+    """Registry factory (core/algorithms.py): the SYNTHETIC proposer with its random EAGLE-3-sized head, from the
+    --synthetic-* flags. build: tandem.services.DraftBuild."""
+    args = build.args
+    target_config = ModelConfig.from_pretrained(build.target_path)
+    if not args.synthetic_oracle:
+        logger.warning("SYNTHETIC without --synthetic-oracle: every draft token is wrong (accept length 1)")
+    head = None
+    if args.synthetic_head_hidden != 0:
+        head = SyntheticHead(target_config, build.engine_config("dummy", draft=False), args.synthetic_head_hidden,
+                             args.synthetic_draft_vocab)
+    try:  # the oracle file is re-read when it changes (a benchmark writes it after its reference AR run)
+        proposer = SyntheticProposer(args.synthetic_accept_rate, target_config.vocab_size, None, args.random_seed,
+                                     head, oracle_path=args.synthetic_oracle)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return proposer, str(args.synthetic_oracle or "synthetic")

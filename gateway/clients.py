@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from core.types import FinishReason, SeqStatus
 from gateway.features import FeatureRows
 from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -66,9 +67,9 @@ class StepResult:
     """One sequence's answer to a step RPC."""
 
     seq_id: str
-    status: int  # pb.SeqStatus value
+    status: SeqStatus
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: int = 0  # pb.FinishReason value
+    finish_reason: FinishReason | None = None  # None: still running
     num_accepted_drafts: int = 0
     num_draft_tokens: int = 0
     error: str = ""
@@ -95,7 +96,7 @@ class ProposeItem:
 @dataclass
 class Proposal:
     seq_id: str
-    status: int
+    status: SeqStatus
     tree_tokens: list[int]
     tree_parents: list[int]
     base_committed_len: int
@@ -103,10 +104,20 @@ class Proposal:
     draft_probs: FeatureRows | None = None  # rejection-sampling drafts: q of every node, passed on to Verify
 
 
-STATUS_OK = pb.SEQ_STATUS_OK
-STATUS_STALE = pb.SEQ_STATUS_STALE
-STATUS_OOM = pb.SEQ_STATUS_OUT_OF_MEMORY
-STATUS_INVALID = pb.SEQ_STATUS_INVALID
+STATUS_OK = SeqStatus.OK
+STATUS_STALE = SeqStatus.STALE
+STATUS_OOM = SeqStatus.OUT_OF_MEMORY
+STATUS_INVALID = SeqStatus.INVALID
+_FINISH_FROM_PB = {pb.FINISH_REASON_STOP: FinishReason.STOP, pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+                   pb.FINISH_REASON_ABORT: FinishReason.ABORT}  # FINISH_REASON_UNSPECIFIED: still running
+
+
+def _status(value: int) -> SeqStatus:
+    """A pod's tandem.v1.SeqStatus; a value this gateway does not know counts as INVALID (that sequence fails)."""
+    try:
+        return SeqStatus(value)
+    except ValueError:
+        return SeqStatus.INVALID
 
 
 def _sampling(s: RequestSampling) -> pb.SamplingParams:
@@ -277,7 +288,8 @@ class TargetClient(_Client):
                                 return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self._call(self.stub.Prefill, request)
-        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, error=r.error,
+        return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
+                           error=r.error,
                            features=_features_from_pb(r.hidden), logprobs=_logprobs(r),
                            num_cached_tokens=r.num_cached_tokens) for r in response.results]
 
@@ -291,7 +303,8 @@ class TargetClient(_Client):
                          top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self.verify_stream(request)
-        return [StepResult(r.seq_id, r.status, list(r.token_ids), r.finish_reason, r.num_accepted_drafts,
+        return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
+                           r.num_accepted_drafts,
                            r.num_draft_tokens, r.error, _features_from_pb(r.hidden), max(1, r.num_steps),
                            _logprobs(r))
                 for r in response.results]
@@ -311,11 +324,11 @@ class DraftClient(_Client):
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
 
-    async def prefill(self, seqs: list[tuple[str, list[int], FeatureRows | None]]) -> list[int]:
+    async def prefill(self, seqs: list[tuple[str, list[int], FeatureRows | None]]) -> list[SeqStatus]:
         request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t, hidden=_features_to_pb(f))
                                                for s, t, f in seqs])
         response = await self._call(self.stub.Prefill, request)
-        return [r.status for r in response.results]
+        return [_status(r.status) for r in response.results]
 
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         request = pb.ProposeRequest(seqs=[
@@ -326,8 +339,9 @@ class DraftClient(_Client):
                           sampling=_sampling(i.sampling) if i.sampling is not None else None)
             for i in items])
         response = await self.propose_stream(request)
-        return [Proposal(r.seq_id, r.status, list(r.tree.token_ids), list(r.tree.parents), r.base_committed_len,
-                         list(r.guessed_token_ids), _features_from_pb(r.tree.draft_probs)) for r in response.results]
+        return [Proposal(r.seq_id, _status(r.status), list(r.tree.token_ids), list(r.tree.parents),
+                         r.base_committed_len, list(r.guessed_token_ids), _features_from_pb(r.tree.draft_probs))
+                for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)

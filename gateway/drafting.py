@@ -14,6 +14,7 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
+from core import algorithms
 from gateway.clients import STATUS_OK, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem
 from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
@@ -21,26 +22,29 @@ from gateway.sequence import Predraft, Sequence
 
 logger = logging.getLogger(__name__)
 
-FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")  # tandem.args normalises NEXTN to EAGLE
-
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculation shape sent with every Propose; algorithm "NONE" means plain decoding through Verify."""
+    """Speculation shape sent with every Propose; an algorithm without drafts (NONE) means plain decoding through
+    Verify. What the gateway does for the algorithm is read from its registry entry (core/algorithms.py)."""
 
-    algorithm: str = "NONE"
+    algorithm: str = algorithms.NONE.name
     num_steps: int = 0
     topk: int = 1
     num_draft_tokens: int = 1
 
     @property
+    def entry(self) -> algorithms.SpeculativeAlgorithm:
+        return algorithms.get(self.algorithm)
+
+    @property
     def enabled(self) -> bool:
-        return self.algorithm != "NONE"
+        return self.entry.drafts
 
     @property
     def needs_features(self) -> bool:
         """Feature-based drafts need the target's hidden states of every committed token."""
-        return self.algorithm in FEATURE_ALGORITHMS
+        return self.entry.needs_features
 
 
 class Drafting:
@@ -113,9 +117,9 @@ class Drafting:
     # ---------------------------------------------------------------- overlapped drafting
     @property
     def overlap_enabled(self) -> bool:
-        # Only STANDALONE guesses (draft_service Proposer._guess_next); feature drafts would also need the target
-        # features of the guessed tokens, which exist only after the verify.
-        return self.enable_overlap and self.spec.algorithm == "STANDALONE" and len(self.pool) > 0
+        # Only proposers that guess (draft_service Proposer._guess_next; STANDALONE); feature drafts would also need
+        # the target features of the guessed tokens, which exist only after the verify.
+        return self.enable_overlap and self.spec.entry.supports_overlap and len(self.pool) > 0
 
     def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple]:
         """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""

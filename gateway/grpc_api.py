@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from core import algorithms
 from gateway.auth import ApiKeyInterceptor
 from gateway.errors import ErrorInterceptor
 from gateway.tokenizer import Tokenizer
@@ -85,7 +86,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             info = await info
         return pb.GatewayInfo(
             model=str(info.get("model", getattr(self.backend, "model_name", ""))),
-            speculative_algorithm=str(info.get("speculative_algorithm") or "NONE"),
+            speculative_algorithm=str(info.get("speculative_algorithm") or algorithms.NONE.name),
             spec=pb.SpecParams(num_steps=int(info.get("num_steps") or 0), topk=int(info.get("topk") or 0),
                                num_draft_tokens=int(info.get("num_draft_tokens") or 0)),
             max_context_len=int(info.get("max_context_len", getattr(self.backend, "max_context_len", 0))),

@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from core import algorithms
 from gateway.adaptive import AdaptiveSpec
 from gateway.drafting import Drafting, SpecConfig
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable,
@@ -35,8 +36,6 @@ from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, Generat
                            InvalidRequest, Overloaded, Unavailable, check_params)
 
 logger = logging.getLogger(__name__)
-
-_FINISH_FROM_WIRE = {1: FinishReason.STOP, 2: FinishReason.LENGTH, 3: FinishReason.ABORT}
 
 
 @dataclass(frozen=True)
@@ -80,10 +79,10 @@ class Scheduler:
         """adaptive: per-batch-size choice of the draft steps (gateway/adaptive.py); chain drafts only."""
         if not targets:
             raise ValueError("at least one target pod is needed")
-        if adaptive is not None and (spec.topk != 1 or spec.algorithm in ("NONE", "NGRAM")
+        if adaptive is not None and (spec.topk != 1 or not spec.entry.supports_adaptive
                                      or config.enable_overlap_drafting):
-            raise ValueError("adaptive speculation needs a chain draft (topk 1; STANDALONE, EAGLE, EAGLE3) and no "
-                             "overlapped drafting")
+            chains = ", ".join(algorithms.names(lambda a: a.supports_adaptive))
+            raise ValueError(f"adaptive speculation needs a chain draft (topk 1; {chains}) and no overlapped drafting")
         self.adaptive = adaptive
         self.targets = PodPool(targets, config.pod_retry_s)
         self.router = PrefixRouter(config.routing)
@@ -116,12 +115,12 @@ class Scheduler:
         # pre-drafts of --enable-overlap-drafting (their own overlap), and only when something drafts.
         self.overlap: OverlapSchedule | None = None
         if (config.overlap_schedule != "off" and adaptive is None and not config.enable_overlap_drafting
-                and spec.algorithm != "NONE" and drafts):
+                and spec.entry.drafts and drafts):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
         self._pending: dict[str, tuple[list[int], list[int]]] = {}  # ping-pong: trees drafted, not yet verified
         # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
         # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
-        self._defer_delivery = spec.algorithm != "NONE" and bool(drafts)
+        self._defer_delivery = spec.entry.drafts and bool(drafts)
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -367,7 +366,7 @@ class Scheduler:
             elif result.status != STATUS_OK:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs)
 
     async def _step(self, seqs: list[Sequence]) -> None:
         """One step of the running batch (step_time), or one ping-pong phase: half of it verifies, half drafts
@@ -521,8 +520,7 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, _FINISH_FROM_WIRE.get(result.finish_reason), result.logprobs,
-                           defer=self._defer_delivery)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=self._defer_delivery)
 
 
 def _logprobs(seq: Sequence) -> int:

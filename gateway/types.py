@@ -5,16 +5,11 @@ scheduler (`GenerationBackend`) turns them into a stream of `GenerateChunk`s.
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
+from core.types import FinishReason  # noqa: F401  (re-exported: the front ends' finish reasons)
 
 
 class GatewayError(Exception):

@@ -2,11 +2,17 @@
 
 A sequence belongs to the gateway that created it (its id travels as `x-tandem-owner` call metadata): another
 caller's Prefill, step or Release of it is refused. A sequence no call has touched for `idle_ttl_s` is abandoned (its
-gateway died or lost track of it) and the servicer frees it. Plain bookkeeping: no grpc, no model.
+gateway died or lost track of it) and the servicer frees it (`free_idle`, swept by `free_idle_forever`). Plain
+bookkeeping: no grpc, no model (the servicer hands in its model worker and release call).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_IDLE_TTL_S = 300.0
 
@@ -61,3 +67,26 @@ def caller(context) -> str:
         if key == OWNER_METADATA:
             return value if isinstance(value, str) else ""
     return ""
+
+
+async def free_idle(leases: SeqLeases, worker, release: Callable[[list[str]], int]) -> int:
+    """Free the sequences no call has used within the idle TTL (their gateway is gone) through the service's model
+    worker (protos/model_worker.py) and its release(seq_ids) -> count; returns how many."""
+    idle = leases.idle()
+    if not idle:
+        return 0
+    released = await worker.run(release, idle, inline=True)
+    leases.forget(idle)
+    if released:
+        logger.warning("freed %d sequences idle for more than %.0fs", released, leases.idle_ttl_s)
+    return released
+
+
+async def free_idle_forever(free: Callable[[], object], idle_ttl_s: float) -> None:
+    """Call the awaitable `free()` a few times per TTL until cancelled (the servicer's idle sweeper task)."""
+    while True:
+        await asyncio.sleep(min(idle_ttl_s / 4, 10.0))
+        try:
+            await free()
+        except Exception:  # never let one failed sweep end the sweeping
+            logger.exception("freeing idle sequences failed")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +24,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
     # OpenAI's presence/frequency penalties (over generated tokens) and HF/vLLM's repetition penalty (over prompt and
     # generated tokens): 0, 0 and 1 leave the logits alone.
     presence_penalty: float = 0.0
@@ -44,12 +41,6 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:

@@ -10,16 +10,16 @@ import json
 import os
 from pathlib import Path
 
-from tandem.compat import UNBUILT_ALGORITHMS
+from core import algorithms
+from core.algorithms import DraftModel
 from tandem.verify_flags import add_verify_args
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
-DEFAULT_DRAFT = REPO_ROOT / "models" / "tandem-demo-code-draft"  # STANDALONE draft of DEFAULT_MODEL
-DEFAULT_EAGLE3 = REPO_ROOT / "models" / "tandem-demo-code-eagle3"  # EAGLE-3 head of DEFAULT_MODEL
-DEFAULT_EAGLE = REPO_ROOT / "models" / "tandem-demo-code-eagle"  # EAGLE-2 head of DEFAULT_MODEL (CPU-trained)
-ALGORITHMS = ("NONE", "STANDALONE", "NGRAM", "EAGLE", "EAGLE3", "NEXTN", "SYNTHETIC")
-FEATURE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# The bundled drafts of DEFAULT_MODEL (registry entries name them: bundled_draft).
+DEFAULT_DRAFT = REPO_ROOT / "models" / algorithms.get("STANDALONE").bundled_draft
+DEFAULT_EAGLE3 = REPO_ROOT / "models" / algorithms.get("EAGLE3").bundled_draft
+DEFAULT_EAGLE = REPO_ROOT / "models" / algorithms.get("EAGLE").bundled_draft  # EAGLE-2 head (CPU-trained)
 
 
 def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:
@@ -85,10 +85,10 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative-algorithm", type=str.upper, default=None,
-                   choices=[*ALGORITHMS, *UNBUILT_ALGORITHMS],
+                   choices=algorithms.choices(),
                    help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head), NGRAM "
                         "(n-gram trie), SYNTHETIC (synthetic acceptance, benchmarks only: see --synthetic-*); "
-                        f"{', '.join(UNBUILT_ALGORITHMS)} are parsed but not supported yet; unset or NONE = plain "
+                        f"{', '.join(a.name for a in algorithms.ALGORITHMS.values() if a.unsupported)} are parsed but not supported yet; unset or NONE = plain "
                         "decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
                    default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
@@ -122,32 +122,17 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="JSON of batch-size slots, e.g. {\"1\": {\"candidate_steps\": [1, 3, 7]}, \"64\": "
                         "{\"candidate_steps\": [0]}} (default: SGLang's tiers capped at --speculative-num-steps)")
     add_verify_args(g)
-    g.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: min BFS breadth")
-    g.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM: max BFS breadth")
-    g.add_argument("--speculative-ngram-match-type", default="BFS", choices=["BFS", "PROB"],
-                   help="NGRAM: BFS (recency) or PROB (frequency) tree construction")
-    g.add_argument("--speculative-ngram-max-trie-depth", type=int, default=18, help="NGRAM: max trie depth")
-    g.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie node capacity")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="never split the running batch into two halves that ping-pong between the draft and target "
                         "pods (gateway/overlap.py: one half verifies while the other drafts; by default the gateway "
                         "measures both ways per batch size and keeps the faster); SGLang's flag name; acted on by the "
                         "gateway")
-    # SYNTHETIC (draft_service/synthetic.py): synthetic acceptance, benchmarks only.
-    g.add_argument("--synthetic-oracle", default=None,
-                   help="SYNTHETIC (synthetic acceptance, benchmarks only): JSON of each prompt's target greedy "
-                        "continuation, written by bench/speculative.py's reference AR run")
-    g.add_argument("--synthetic-accept-rate", type=float, default=0.8,
-                   help="SYNTHETIC: probability that each oracle token is kept in the draft (expected accept length "
-                        "of depth D: sum_{i=0..D} a^i)")
-    g.add_argument("--synthetic-head-hidden", type=int, default=None,
-                   help="SYNTHETIC: hidden size of the random EAGLE-3-sized head whose compute is spent per step "
-                        "(default: the target's; 0 = no head compute)")
-    g.add_argument("--synthetic-draft-vocab", type=int, default=32000, help="SYNTHETIC: lm_head rows of that head")
-    g.add_argument("--synthetic-margin-weights", action="store_true",
-                   help="SYNTHETIC, target with --load-format dummy: structured dummy weights whose greedy argmax wins "
-                        "by tens of logits (runtime/models/loader.widen_dummy_margins), so the oracle survives bf16 "
-                        "rounding differences between verify and decode (bench/speculative.py --mode services)")
+    for entry in algorithms.ALGORITHMS.values():  # each algorithm's own flags (NGRAM trie, SYNTHETIC acceptance)
+        for flag in entry.flags:
+            if flag.type is None:
+                g.add_argument(flag.flag, action="store_true", help=flag.help)
+            else:
+                g.add_argument(flag.flag, type=flag.type, default=flag.default, choices=flag.choices, help=flag.help)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -226,39 +211,47 @@ def read_architecture(path: str) -> str:
     return archs[0]
 
 
+def draft_model_path(args: argparse.Namespace) -> str | None:
+    """The draft checkpoint the draft service loads: --speculative-draft-model-path, else the bundled one (a
+    STANDALONE draft for any target; a head only for the bundled target it was trained on); None without one."""
+    entry = algorithms.get(args.speculative_algorithm)
+    if args.speculative_draft_model_path or entry.bundled_draft is None:
+        return args.speculative_draft_model_path
+    if entry.draft_model is DraftModel.HEAD and Path(model_path(args)).resolve() != DEFAULT_MODEL.resolve():
+        return None
+    return str(REPO_ROOT / "models" / entry.bundled_draft)
+
+
 def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
-    """(algorithm, num_steps, topk, num_draft_tokens) after SGLang's auto-defaults and checks."""
-    algorithm = args.speculative_algorithm or "NONE"
-    if algorithm == "NEXTN":  # SGLang's alias
-        algorithm = "EAGLE"
-    bundled_target = Path(model_path(args)).resolve() == DEFAULT_MODEL.resolve()
-    if algorithm in ("EAGLE3", "EAGLE") and not args.speculative_draft_model_path and bundled_target:
-        # the bundled target's own head
-        args.speculative_draft_model_path = str(DEFAULT_EAGLE3 if algorithm == "EAGLE3" else DEFAULT_EAGLE)
-    if algorithm in FEATURE_ALGORITHMS and not args.speculative_draft_model_path:
-        raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path (the head)")
-    if algorithm == "NONE":
+    """(algorithm, num_steps, topk, num_draft_tokens) after SGLang's auto-defaults and checks; aliases become the
+    algorithm's name."""
+    entry = algorithms.get(args.speculative_algorithm)
+    algorithm = entry.name
+    if entry.draft_model is DraftModel.HEAD:
+        args.speculative_draft_model_path = draft_model_path(args)  # the bundled target's own head
+        if not args.speculative_draft_model_path:
+            raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path "
+                             "(the head)")
+    if not entry.drafts:
         if getattr(args, "speculative_adaptive", False):
             raise SystemExit("error: --speculative-adaptive needs --speculative-algorithm")
         if any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
                                        args.speculative_num_draft_tokens)):
             raise SystemExit("error: --speculative-num-steps/-eagle-topk/-num-draft-tokens need "
                              "--speculative-algorithm")
-        return "NONE", 0, 1, 1
-    from runtime.speculative.tree import auto_speculative_params
-
+        return algorithm, 0, 1, 1
     try:
-        steps, topk, ndt = auto_speculative_params(
-            "EAGLE3" if algorithm == "SYNTHETIC" else algorithm,  # SYNTHETIC mimics an EAGLE-3 head's shapes
+        steps, topk, ndt = entry.resolve_shape(
             read_architecture(model_path(args)), args.speculative_num_steps,
             args.speculative_eagle_topk, args.speculative_num_draft_tokens,
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     if getattr(args, "speculative_adaptive", False):
-        if algorithm not in ("STANDALONE", "EAGLE", "EAGLE3", "SYNTHETIC") or topk != 1:
+        if not entry.supports_adaptive or topk != 1:
+            adaptive = algorithms.names(lambda a: a.supports_adaptive)
             raise SystemExit("error: --speculative-adaptive needs a chain draft (--speculative-eagle-topk 1) of "
-                             "STANDALONE, EAGLE or EAGLE3")
+                             f"{', '.join(adaptive[:-1])} or {adaptive[-1]}")
         if getattr(args, "enable_overlap_drafting", False):
             raise SystemExit("error: --speculative-adaptive and --enable-overlap-drafting do not combine")
     return algorithm, steps, topk, ndt

@@ -13,15 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import algorithms
+from core.algorithms import DraftModel
 from tandem.verify_flags import verify_notes
-
-# Algorithms SGLang has and Tandem does not run yet: parsed, then refused by `check_unsupported`.
-UNBUILT_ALGORITHMS = {
-    "UNO": "UNO (LoRA self-drafting by the target) is not supported yet",
-    "DFLASH": "DFLASH (block-diffusion drafts) is not supported yet",
-    "DSPARK": "DSPARK (block drafts with ragged verify) is not supported yet",
-}
-
 
 @dataclass(frozen=True)
 class CompatFlag:
@@ -99,9 +93,10 @@ def add_sglang_compat_args(p: argparse.ArgumentParser) -> None:
 
 def check_unsupported(args: argparse.Namespace) -> None:
     """Exit with one line when the command asks for something Tandem does not do; print the no-op notes."""
-    algorithm = (getattr(args, "speculative_algorithm", None) or "NONE").upper()
-    if algorithm in UNBUILT_ALGORITHMS:
-        raise SystemExit(f"error: --speculative-algorithm {algorithm}: {UNBUILT_ALGORITHMS[algorithm]}")
+    algorithm = (getattr(args, "speculative_algorithm", None) or algorithms.NONE.name).upper()
+    entry = algorithms.get(algorithm)  # the parser's choices are the registry's names
+    if entry.unsupported:
+        raise SystemExit(f"error: --speculative-algorithm {algorithm}: {entry.unsupported}")
     for f in COMPAT_FLAGS:
         value = getattr(args, f.dest, None)
         if value is None or value is False or value in f.neutral:
@@ -111,7 +106,7 @@ def check_unsupported(args: argparse.Namespace) -> None:
             continue
         shown = "" if f.kind is None else f" {value}"
         raise SystemExit(f"error: {f.flag}{shown}: {f.reason}")
-    if algorithm in ("EAGLE", "NEXTN") and _mtp_layers(args):
+    if entry.mtp_checkpoint_refused and _mtp_layers(args):
         raise SystemExit(f"error: --speculative-algorithm {algorithm} on a checkpoint with MTP layers "
                          f"(num_nextn_predict_layers in {args.model_path}/config.json): {NOT_YET}; pass an EAGLE head "
                          "with --speculative-draft-model-path")
@@ -143,27 +138,26 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
     Drops the ignored values that would otherwise break a child (an FR-Spec map given to an EAGLE-3 draft).
     defaults: the parser's defaults by dest, to tell a flag the user gave from one left alone."""
     notes = []
-    algorithm = getattr(args, "speculative_algorithm", "NONE")
+    entry = algorithms.get(getattr(args, "speculative_algorithm", None))
 
     def given(dest: str) -> bool:
         return hasattr(args, dest) and getattr(args, dest) != defaults.get(dest)
 
-    if getattr(args, "speculative_token_map", None) and algorithm != "EAGLE":
-        why = ("an EAGLE-3 head carries its own d2t map" if algorithm == "EAGLE3" else
-               "FR-Spec maps apply to EAGLE (EAGLE-2) heads only")
-        notes.append(f"--speculative-token-map is ignored for {_algo(algorithm)}: {why}")
+    if getattr(args, "speculative_token_map", None) and entry.token_map_ignored:
+        notes.append(f"--speculative-token-map is ignored for {_algo(entry)}: {entry.token_map_ignored}")
         args.speculative_token_map = None
-    if getattr(args, "enable_overlap_drafting", False) and algorithm != "STANDALONE":
-        notes.append(f"--enable-overlap-drafting is ignored for {_algo(algorithm)}: only STANDALONE drafts pre-draft "
+    if getattr(args, "enable_overlap_drafting", False) and not entry.supports_overlap:
+        overlap = " / ".join(algorithms.names(lambda a: a.supports_overlap))
+        notes.append(f"--enable-overlap-drafting is ignored for {_algo(entry)}: only {overlap} drafts pre-draft "
                      "the next step")
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
     notes += verify_notes(args)
-    if algorithm in ("NGRAM", "NONE"):
+    if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",
                      "speculative_draft_attention_backend"):
             if getattr(args, dest, None):
-                notes.append(f"--{dest.replace('_', '-')} is ignored for {_algo(algorithm)}: there is no draft model")
+                notes.append(f"--{dest.replace('_', '-')} is ignored for {_algo(entry)}: there is no draft model")
     device = str(getattr(args, "device", "cpu"))
     if device.startswith("cpu") and getattr(args, "base_gpu_id", None) is None \
             and getattr(args, "draft_base_gpu_id", None) is None:
@@ -175,8 +169,8 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
     return notes
 
 
-def _algo(algorithm: str) -> str:
-    return "plain decoding (no --speculative-algorithm)" if algorithm == "NONE" else algorithm
+def _algo(entry: algorithms.SpeculativeAlgorithm) -> str:
+    return entry.name if entry.drafts else "plain decoding (no --speculative-algorithm)"
 
 
 def _warn(args: argparse.Namespace, line: str) -> None:

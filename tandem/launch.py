@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.args import DEFAULT_DRAFT, model_path
+from core import algorithms
+from core.algorithms import DraftModel, ShapeRule
+from tandem.args import draft_model_path, model_path
 from tandem.verify_flags import verify_flags
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is restarted
@@ -60,18 +62,14 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def _spec_flags(args: argparse.Namespace) -> list[str]:
-    if args.speculative_algorithm == "NONE":
+    entry = algorithms.get(args.speculative_algorithm)
+    if not entry.drafts:
         return []
-    flags = ["--speculative-algorithm", args.speculative_algorithm]
-    if args.speculative_algorithm != "NGRAM":  # NGRAM derives steps and topk from the BFS breadth itself
+    flags = ["--speculative-algorithm", entry.name]
+    if entry.shape_rule is ShapeRule.BEAM:  # a trie derives steps and topk from its BFS breadth itself
         flags += ["--speculative-num-steps", str(args.speculative_num_steps),
                   "--speculative-eagle-topk", str(args.speculative_eagle_topk)]
-    flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
-             "--speculative-ngram-min-bfs-breadth", str(args.speculative_ngram_min_bfs_breadth),
-             "--speculative-ngram-max-bfs-breadth", str(args.speculative_ngram_max_bfs_breadth),
-             "--speculative-ngram-match-type", args.speculative_ngram_match_type,
-             "--speculative-ngram-max-trie-depth", str(args.speculative_ngram_max_trie_depth),
-             "--speculative-ngram-capacity", str(args.speculative_ngram_capacity)]
+    flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     if args.speculative_draft_model_path:
         flags += ["--speculative-draft-model-path", args.speculative_draft_model_path]
     if args.speculative_token_map:
@@ -89,13 +87,10 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--speculative-adaptive"]
         if args.speculative_adaptive_config:
             flags += ["--speculative-adaptive-config", args.speculative_adaptive_config]
-    if args.speculative_algorithm == "SYNTHETIC":  # synthetic acceptance, benchmarks only
-        flags += ["--synthetic-accept-rate", repr(args.synthetic_accept_rate),
-                  "--synthetic-draft-vocab", str(args.synthetic_draft_vocab)]
-        if args.synthetic_oracle:
-            flags += ["--synthetic-oracle", str(args.synthetic_oracle)]
-        if args.synthetic_head_hidden is not None:
-            flags += ["--synthetic-head-hidden", str(args.synthetic_head_hidden)]
+    for flag in entry.flags:  # the algorithm's own flags (NGRAM's trie, SYNTHETIC's acceptance), when set
+        value = getattr(args, flag.dest, None)
+        if flag.forward and value is not None and value is not False and value != "":
+            flags += [flag.flag] if flag.type is None else [flag.flag, str(value)]
     return flags
 
 
@@ -136,7 +131,7 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                                "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
                                "--max-verify-tree-nodes", str(args.max_verify_tree_nodes)]
         target_addrs.append(f"{host}:{port}")
-    if args.speculative_algorithm != "NONE":
+    if algorithms.get(args.speculative_algorithm).drafts:
         for i in range(args.num_draft_replicas):
             port = args.draft_port + i if args.draft_port else _free_port(host)
             cmds[f"draft-{i}"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
@@ -198,6 +193,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
     default_gpu = int(device.split(":")[1]) if device.startswith("cuda:") else 0
     tp_size = getattr(args, "tp_size", 1)
     placed: dict[int, dict[str, float]] = {}  # gpu -> {process: weight}
+    draft_loads_model = algorithms.get(args.speculative_algorithm).draft_model is not DraftModel.NONE
     target_size = _checkpoint_bytes(model_path(args)) or 1
     for name in names:
         if name.startswith("target-"):
@@ -205,10 +201,9 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
             base = args.base_gpu_id
             gpu = default_gpu if base is None else base + i * tp_size
             placed.setdefault(gpu, {})[name] = target_size
-        elif name.startswith("draft-") and args.speculative_algorithm != "NGRAM":
+        elif name.startswith("draft-") and draft_loads_model:
             gpu = args.draft_base_gpu_id if getattr(args, "draft_base_gpu_id", None) is not None else default_gpu
-            draft = args.speculative_draft_model_path or (
-                str(DEFAULT_DRAFT) if args.speculative_algorithm == "STANDALONE" else None)
+            draft = draft_model_path(args)
             size = _checkpoint_bytes(draft) if draft else None
             placed.setdefault(gpu, {})[name] = size if size is not None else target_size / 4
     if total_bytes_of is None:
@@ -268,11 +263,10 @@ def ports_in_use(args: argparse.Namespace) -> list[str]:
         wanted.append(("--envoy-port", args.host, args.envoy_port))
     for flag, first, count in (("--target-port", args.target_port, args.num_target_replicas),
                                ("--draft-port", args.draft_port,
-                                args.num_draft_replicas if args.speculative_algorithm != "NONE" else 0)):
+                                _num_drafts(args))):
         wanted += [(flag, "127.0.0.1", first + i) for i in range(count) if first]
     if args.metrics_port:
-        num_services = args.num_target_replicas + (args.num_draft_replicas if args.speculative_algorithm != "NONE"
-                                                   else 0)
+        num_services = args.num_target_replicas + _num_drafts(args)
         wanted += [("--metrics-port", args.metrics_host, args.metrics_port + i) for i in range(num_services)]
     taken = []
     for flag, host, port in wanted:
@@ -285,11 +279,16 @@ def ports_in_use(args: argparse.Namespace) -> list[str]:
     return taken
 
 
+def _num_drafts(args: argparse.Namespace) -> int:
+    return args.num_draft_replicas if algorithms.get(args.speculative_algorithm).drafts else 0
+
+
 def _summary(args: argparse.Namespace, names: list[str]) -> str:
-    spec = args.speculative_algorithm
-    if spec != "NONE":
+    entry = algorithms.get(args.speculative_algorithm)
+    spec = entry.name
+    if entry.drafts:
         spec += (f" {args.speculative_num_steps}/{args.speculative_eagle_topk}/{args.speculative_num_draft_tokens}"
-                 if spec != "NGRAM" else f" ({args.speculative_num_draft_tokens} draft tokens)")
+                 if entry.shape_rule is ShapeRule.BEAM else f" ({args.speculative_num_draft_tokens} draft tokens)")
     return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
             f"device {args.device})")
 

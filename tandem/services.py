@@ -9,7 +9,9 @@ import signal
 import time
 from pathlib import Path
 
-from tandem.args import DEFAULT_DRAFT, model_path
+from core import algorithms
+from core.algorithms import TargetFeatures
+from tandem.args import draft_model_path, model_path
 
 logger = logging.getLogger("tandem")
 
@@ -60,7 +62,7 @@ def continuous_decode_steps(args: argparse.Namespace) -> int:
     given = getattr(args, "num_continuous_decode_steps", None)
     if given is not None:
         return given
-    return AUTO_CONTINUOUS_DECODE_STEPS if (args.speculative_algorithm or "NONE") == "NONE" else 1
+    return 1 if algorithms.get(args.speculative_algorithm).drafts else AUTO_CONTINUOUS_DECODE_STEPS
 
 
 def _auto_mem_fraction(device: str) -> float:
@@ -131,8 +133,9 @@ async def run_target(args: argparse.Namespace) -> None:
     if tp_size > 1:
         from target_service.tp import TPLauncher
 
-        if getattr(args, "speculative_algorithm", "NONE") in ("EAGLE", "EAGLE3"):
-            raise SystemExit("error: --tp-size > 1 does not capture features for EAGLE/EAGLE3 drafts yet")
+        if algorithms.get(getattr(args, "speculative_algorithm", None)).needs_features:
+            raise SystemExit(f"error: --tp-size > 1 does not capture features for "
+                             f"{'/'.join(algorithms.names(lambda a: a.needs_features))} drafts yet")
         launcher = TPLauncher(weights, engine_config, tp_size)
         runner = launcher.start()  # spawns ranks 1..N-1; rank 0 (this process) serves gRPC
     else:
@@ -170,10 +173,10 @@ def _accept_thresholds(args: argparse.Namespace):
 
 def _feature_capture(args: argparse.Namespace, runner) -> dict:
     """Which hidden states the target returns for feature drafts: EAGLE-3 aux layers or EAGLE's final hidden."""
-    algorithm = getattr(args, "speculative_algorithm", "NONE")
-    if algorithm == "EAGLE":
+    needs = algorithms.get(getattr(args, "speculative_algorithm", None)).target_features
+    if needs is TargetFeatures.FINAL_HIDDEN:
         return {"final_norm_features": True}
-    if algorithm == "EAGLE3":
+    if needs is TargetFeatures.AUX_LAYERS:
         import json
 
         from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
@@ -184,41 +187,43 @@ def _feature_capture(args: argparse.Namespace, runner) -> dict:
     return {}
 
 
-def build_proposer(args: argparse.Namespace):
-    algorithm = args.speculative_algorithm
-    if algorithm == "NGRAM":
-        from draft_service.ngram import NgramConfig
-        from draft_service.ngram_draft import NgramDraft
+@dataclasses.dataclass
+class DraftBuild:
+    """What a proposer factory (a registry entry's `proposer`, "module:function(build) -> (proposer, path)") gets to
+    build its proposer from the flags: the flags themselves and the services' way to configure and load a runner."""
 
-        return NgramDraft(NgramConfig(
-            min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
-            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
-            match_type=args.speculative_ngram_match_type, max_trie_depth=args.speculative_ngram_max_trie_depth,
-            capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens)), "ngram"
-    if algorithm == "STANDALONE":
-        from draft_service.standalone import StandaloneProposer
+    args: argparse.Namespace
 
-        path = str(args.speculative_draft_model_path or DEFAULT_DRAFT)
-        config = _engine_config(args, args.speculative_draft_load_format, draft=True)
-        # A plain LM's KV depends on the tokens alone, so the draft shares prompt prefixes too (EAGLE's depends on
-        # target features: no cache there).
-        config = dataclasses.replace(config, enable_prefix_cache=not getattr(args, "disable_radix_cache", False))
-        _loading("draft", path, config)
-        runner = _build_runner(path, config)
-        return _static_step(StandaloneProposer(runner), args), path
-    if algorithm in ("EAGLE", "EAGLE3"):
-        from draft_service.eagle import EagleProposer
+    @property
+    def target_path(self) -> str:
+        return model_path(self.args)
 
-        path = str(args.speculative_draft_model_path)
-        engine_config = _engine_config(args, args.speculative_draft_load_format, draft=True)
+    @property
+    def draft_path(self) -> str | None:
+        """--speculative-draft-model-path, else the algorithm's bundled draft (None without one)."""
+        return draft_model_path(self.args)
+
+    def engine_config(self, load_format: str | None = None, *, draft: bool = True):
+        """The EngineConfig of a draft runner (default load format: --speculative-draft-load-format)."""
+        return _engine_config(self.args, load_format or self.args.speculative_draft_load_format, draft=draft)
+
+    def loading(self, path: str, engine_config) -> None:
         _loading("draft", path, engine_config)
-        return _static_step(EagleProposer(model_path(args), path, engine_config, algorithm,
-                                          token_map=args.speculative_token_map,
-                                          use_rejection_sampling=getattr(args, "speculative_use_rejection_sampling",
-                                                                         False)), args), path
-    if algorithm == "SYNTHETIC":
-        return _static_step(build_synthetic(args), args), str(args.synthetic_oracle or "synthetic")
-    raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {algorithm}")
+
+    def runner(self, path: str, engine_config):
+        """A ModelRunner of a draft checkpoint, or exit with a message when it does not fit on the device."""
+        self.loading(path, engine_config)
+        return _build_runner(path, engine_config)
+
+
+def build_proposer(args: argparse.Namespace):
+    """The draft service's proposer for --speculative-algorithm (its registry entry's factory) and the path it
+    loaded, set up for static device steps where the runner can."""
+    entry = algorithms.get(args.speculative_algorithm)
+    if not entry.proposer or entry.unsupported:
+        raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {args.speculative_algorithm}")
+    proposer, path = entry.proposer_factory()(DraftBuild(args))
+    return _static_step(proposer, args), path
 
 
 def _static_verify(engine, args: argparse.Namespace) -> None:
@@ -253,25 +258,6 @@ def _static_step(proposer, args: argparse.Namespace):
         if proposer.enable_static_step(shape, max_bs=max(1, getattr(args, "cuda_graph_max_bs", 64))):
             logger.info("draft: static draft step for %d/%d/%d", shape.num_steps, shape.topk, shape.num_draft_tokens)
     return proposer
-
-
-def build_synthetic(args: argparse.Namespace):
-    """SYNTHETIC proposer (synthetic acceptance, benchmarks only) with its random EAGLE-3-sized head."""
-    from draft_service.synthetic import SyntheticHead, SyntheticProposer
-    from runtime.config import ModelConfig
-
-    target_config = ModelConfig.from_pretrained(model_path(args))
-    if not args.synthetic_oracle:
-        logger.warning("SYNTHETIC without --synthetic-oracle: every draft token is wrong (accept length 1)")
-    head = None
-    if args.synthetic_head_hidden != 0:
-        head = SyntheticHead(target_config, _engine_config(args, "dummy"), args.synthetic_head_hidden,
-                             args.synthetic_draft_vocab)
-    try:  # the oracle file is re-read when it changes (a benchmark writes it after its reference AR run)
-        return SyntheticProposer(args.synthetic_accept_rate, target_config.vocab_size, None, args.random_seed, head,
-                                 oracle_path=args.synthetic_oracle)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
 
 
 async def run_draft(args: argparse.Namespace) -> None:
@@ -332,7 +318,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
     served = list(args.served_model_name or [])
     name = served[0] if served else Path(path).name
     aliases = model_aliases(path, served)
-    spec = SpecConfig(args.speculative_algorithm or "NONE", args.speculative_num_steps or 0,
+    spec = SpecConfig(args.speculative_algorithm or algorithms.NONE.name, args.speculative_num_steps or 0,
                       args.speculative_eagle_topk or 1, args.speculative_num_draft_tokens or 1)
     eos = sorted({*info.eos_token_ids, *tokenizer.eos_token_ids})
     adaptive = None

@@ -10,9 +10,10 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from core import algorithms
+
 ATTENTION_MODES = ("prefill", "decode")
 NGRAM_FORCE_GREEDY_ENV = "SGLANG_NGRAM_FORCE_GREEDY_VERIFY"
-REJECTION_ALGORITHMS = ("EAGLE", "EAGLE3")  # after resolve_spec: NEXTN is EAGLE
 
 
 def add_verify_args(g: argparse._ArgumentGroup) -> None:
@@ -45,10 +46,13 @@ def check_verify_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: --speculative-accept-threshold-{flag} must be in (0, 1], got {value}")
     if not getattr(args, "speculative_use_rejection_sampling", False):
         return
-    algorithm = getattr(args, "speculative_algorithm", "NONE")
-    if algorithm not in REJECTION_ALGORITHMS:
-        raise SystemExit("error: --speculative-use-rejection-sampling is only supported for EAGLE / EAGLE3 / NEXTN, "
-                         f"not speculative_algorithm={algorithm}")
+    algorithm = getattr(args, "speculative_algorithm", None)
+    entry = algorithms.find(algorithm)
+    if entry is None or not entry.supports_rejection_sampling:
+        able = [a for a in algorithms.ALGORITHMS.values() if a.supports_rejection_sampling]
+        names = " / ".join([a.name for a in able] + [alias for a in able for alias in a.aliases])
+        raise SystemExit(f"error: --speculative-use-rejection-sampling is only supported for {names}, "
+                         f"not speculative_algorithm={algorithm or 'NONE'}")
     if args.speculative_eagle_topk != 1:
         raise SystemExit("error: --speculative-use-rejection-sampling requires --speculative-eagle-topk=1 "
                          f"(got {args.speculative_eagle_topk}): p/q rejection verifies chains only")
@@ -62,11 +66,11 @@ def verify_notes(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     """Start-up warnings: lossy thresholds (the commands that verify), and SGLANG_NGRAM_FORCE_GREEDY_VERIFY."""
     environ = os.environ if environ is None else environ
     notes = []
-    algorithm = getattr(args, "speculative_algorithm", "NONE")
+    entry = algorithms.find(getattr(args, "speculative_algorithm", None))
     single = getattr(args, "speculative_accept_threshold_single", 1.0)
     acc = getattr(args, "speculative_accept_threshold_acc", 1.0)
     if (single < 1.0 or acc < 1.0) and getattr(args, "command", "serve") in ("serve", "target"):
-        if algorithm == "NONE":
+        if entry is None or not entry.drafts:
             notes.append("--speculative-accept-threshold-single/-acc are ignored without --speculative-algorithm")
         else:
             notes.append(f"--speculative-accept-threshold-single {single} / --speculative-accept-threshold-acc {acc}: "

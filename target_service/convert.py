@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.types import FinishReason
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
 from runtime.sampling import SamplingParams
@@ -18,6 +19,9 @@ from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillIn
                                    VerifyInput)
 
 DEFAULT_MAX_TREE_NODES = 512  # draft nodes one Verify may carry per sequence (--max-verify-tree-nodes)
+
+FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
+                FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def merge(slots: list[StepOutput | None], outputs: list[StepOutput]) -> list[Ste
 
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
     msg = pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
-                                 finish_reason=int(out.finish), error=out.error, logprobs=_logprobs_pb(out),
+                                 finish_reason=FINISH_TO_PB[out.finish], error=out.error, logprobs=_logprobs_pb(out),
                                  num_cached_tokens=out.num_cached_tokens)
     if out.features is not None:
         msg.hidden.CopyFrom(tensor_to_pb(out.features))
@@ -142,7 +146,7 @@ def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
 def verify_result(out: StepOutput) -> pb.VerifyResult:
     msg = pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
                           num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
-                          finish_reason=int(out.finish), error=out.error, num_steps=out.num_steps,
+                          finish_reason=FINISH_TO_PB[out.finish], error=out.error, num_steps=out.num_steps,
                           logprobs=_logprobs_pb(out))
     if out.features is not None:
         msg.hidden.CopyFrom(tensor_to_pb(out.features))

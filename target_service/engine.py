@@ -8,7 +8,6 @@ pending root of the next verify.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +16,8 @@ import torch
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
+from core.types import FinishReason
+from core.types import SeqStatus as Status
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import EXACT, AcceptThresholds
@@ -25,20 +26,6 @@ from target_service.acceptance import GreedyRows, TargetSeq, accept, new_generat
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
-
-
-class Status(enum.IntEnum):  # values equal tandem.v1.SeqStatus
-    OK = 0
-    STALE = 1
-    OUT_OF_MEMORY = 2
-    INVALID = 3
-
-
-class Finish(enum.IntEnum):  # values equal tandem.v1.FinishReason
-    NONE = 0
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
 
 
 @dataclass
@@ -80,7 +67,7 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)
     num_accepted_drafts: int = 0
     num_draft_tokens: int = 0
-    finish: Finish = Finish.NONE
+    finish: FinishReason | None = None  # None: still running
     error: str = ""
     # Target features of the tokens that gained KV in this call (feature-based drafts): prefill → one row per
     # prompt token; verify → the root and the accepted drafts. Row i is the feature of the i-th such token.
@@ -216,7 +203,7 @@ class TargetEngine:
         more = [(inp, out) for inp, out in zip(inputs, outputs) if inp.num_decode_steps > 1 and not inp.tree.token_ids]
         forward_ms += self._pipelined_steps(more)
         while True:
-            more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
+            more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish is None
                     and out.token_ids and out.num_steps < inp.num_decode_steps and inp.seq_id in self._seqs]
             if not more:
                 break
@@ -249,7 +236,7 @@ class TargetEngine:
             return 0.0
         from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
 
-        group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish == Finish.NONE
+        group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish is None
                  and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
                  and not inp.sampling.has_penalties and inp.seq_id in self._seqs]
         if not group or not can_pipeline(self.runner, [inp.seq_id for inp, _ in group]):
@@ -454,10 +441,10 @@ class TargetEngine:
             kept.append(token)
             generated = len(seq.token_ids) + len(kept) - stop.prompt_len
             if token in stop.stop_token_ids and not stop.ignore_eos:
-                out.finish = Finish.STOP
+                out.finish = FinishReason.STOP
                 break
             if generated >= stop.max_new_tokens or len(seq.token_ids) + len(kept) >= self.max_context_len:
-                out.finish = Finish.LENGTH
+                out.finish = FinishReason.LENGTH
                 break
         if len(kept) < len(tokens):  # accepted drafts past the stop are not committed
             out.num_accepted_drafts = min(out.num_accepted_drafts, len(kept))
@@ -465,6 +452,6 @@ class TargetEngine:
         out.token_ids = kept
         if self._prefix_cache:  # blocks the new tokens filled become reusable (multi-turn chat, n > 1, retries)
             self.runner.cache_prefix(out.seq_id, seq.token_ids)
-        if out.finish != Finish.NONE:
+        if out.finish is not None:
             # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
             self.release([out.seq_id])

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from protos import leases
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
@@ -92,22 +93,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def free_idle(self) -> int:
         """Free the sequences no call has used within the idle TTL (their gateway is gone); returns how many."""
-        idle = self.leases.idle()
-        if not idle:
-            return 0
-        released = await self.worker.run(self.engine.release, idle, inline=True)
-        self.leases.forget(idle)
-        if released:
-            logger.warning("freed %d sequences idle for more than %.0fs", released, self.leases.idle_ttl_s)
-        return released
-
-    async def free_idle_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.leases.idle_ttl_s / 4, 10.0))
-            try:
-                await self.free_idle()
-            except Exception:  # never let one failed sweep end the sweeping
-                logger.exception("freeing idle sequences failed")
+        return await leases.free_idle(self.leases, self.worker, self.engine.release)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         cfg = self.engine.runner.model_config
@@ -140,6 +126,7 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
         interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
         service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
-    server.idle_sweeper = asyncio.create_task(servicer.free_idle_forever())  # ends with the event loop
+    server.idle_sweeper = asyncio.create_task(  # ends with the event loop
+        leases.free_idle_forever(servicer.free_idle, servicer.leases.idle_ttl_s))
     logger.info("target service listening on %s:%d", host, bound)
     return server, bound

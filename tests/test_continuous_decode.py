@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.types import FinishReason
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import Finish, PrefillInput, Status, StopRule, TargetEngine, VerifyInput
+from target_service.engine import PrefillInput, Status, StopRule, TargetEngine, VerifyInput
 from tests.stack import generate_ids, local_stack
 from tests.tiny_models import make_tiny_model
 
@@ -55,16 +56,16 @@ def test_length_and_stop_tokens_cut_the_chunk(tiny):
     committed, _ = _start(engine)
     free = engine.verify([VerifyInput("s", len(committed), committed[-1], DraftTree([], []), SamplingParams(temperature=0.0),
                                       StopRule(64, prompt_len=len(PROMPT)), num_decode_steps=6)])[0]
-    assert len(free.token_ids) == 6 and free.finish == Finish.NONE
+    assert len(free.token_ids) == 6 and free.finish is None
     engine = _engine(tiny)
     committed, stop = _start(engine, max_new=4)  # 1 token from prefill: 3 more fit
     out = _decode(engine, committed, stop, 10)
-    assert len(out.token_ids) == 3 and out.finish == Finish.LENGTH and out.num_steps == 3
+    assert len(out.token_ids) == 3 and out.finish == FinishReason.LENGTH and out.num_steps == 3
     engine = _engine(tiny)
     stop_token = free.token_ids[2]
     committed, stop = _start(engine, stop_ids=frozenset({stop_token}))
     out = _decode(engine, committed, stop, 10)
-    assert out.finish == Finish.STOP and out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
+    assert out.finish == FinishReason.STOP and out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
 
 
 async def test_through_the_services_greedy_equals_hf_and_steps_count_forwards(tiny):

@@ -98,7 +98,8 @@ def test_the_flag_reaches_the_target_engine_config():
     assert _engine_config(on, target=True).enable_prefix_cache
     assert not _engine_config(off, target=True).enable_prefix_cache
     assert not _engine_config(on, draft=True).enable_prefix_cache  # the draft runner keeps its own KV uncached
-    serve = build_parser().parse_args(["serve", "--disable-radix-cache"])
+    # A draft service runs only with an algorithm (unresolved flags used to count as one).
+    serve = build_parser().parse_args(["serve", "--speculative-algorithm", "STANDALONE", "--disable-radix-cache"])
     assert "--disable-radix-cache" in commands(serve)["target-0"]
     assert "--disable-radix-cache" in commands(serve)["draft-0"]
     from tandem.services import build_proposer

@@ -141,7 +141,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
     from draft_service.proposer import ProposeInput, SpecShape
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
-    from target_service.engine import Finish, PrefillInput, StopRule, VerifyInput
+    from target_service.engine import PrefillInput, StopRule, VerifyInput
 
     feats = proposer is not None and proposer.needs_features
     spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
@@ -158,7 +158,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
             proposer.prefill(o.seq_id, committed[o.seq_id], o.features[: len(committed[o.seq_id]) - 1] if feats
                              else None)
         new[o.seq_id] = ([], o.features[:0] if feats else None)
-    active = [o.seq_id for o in outs if o.finish == Finish.NONE]
+    active = [o.seq_id for o in outs if o.finish is None]
     steps = 0
     tokens = len(outs)
     while active:
@@ -174,7 +174,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
             committed[o.seq_id] += o.token_ids
             new[o.seq_id] = (o.token_ids, o.features if feats else None)
             tokens += len(o.token_ids)
-            if o.finish != Finish.NONE:
+            if o.finish is not None:
                 done.append(o.seq_id)
         steps += len(outs)
         active = [s for s in active if s not in done]

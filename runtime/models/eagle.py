@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from core import algorithms
+from core.algorithms import DraftModel, TargetFeatures
 from runtime.attention import AttentionBackend
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_pool import KVPool
@@ -85,6 +87,10 @@ class LlamaEagleForCausalLM(nn.Module):
         pass
 
 
+# The head layout of each kind of target features an EAGLE-family algorithm feeds its head.
+_HEAD_ARCHS = {TargetFeatures.FINAL_HIDDEN: EAGLE_ARCH, TargetFeatures.AUX_LAYERS: EAGLE3_ARCH}
+
+
 def load_draft_head(
     draft_path: str,
     target_path: str,
@@ -98,7 +104,8 @@ def load_draft_head(
     algorithm = algorithm.upper()
     raw = read_config(draft_path)
     arch = (raw.get("architectures") or [""])[0]
-    wanted = {"EAGLE": EAGLE_ARCH, "NEXTN": EAGLE_ARCH, "EAGLE3": EAGLE3_ARCH}.get(algorithm)
+    entry = algorithms.find(algorithm)
+    wanted = _HEAD_ARCHS.get(entry.target_features) if entry and entry.draft_model is DraftModel.HEAD else None
     if wanted is None:
         raise ValueError(f"load_draft_head: algorithm must be EAGLE, NEXTN or EAGLE3, got {algorithm!r}")
     # Original EAGLE-2 releases say plain "LlamaForCausalLM"; the algorithm names the head then (as SGLang does).

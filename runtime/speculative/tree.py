@@ -8,13 +8,13 @@ log-probabilities and says which nodes must be forwarded next.
 from __future__ import annotations
 
 import heapq
-import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger(__name__)
+from core import algorithms
+from core.algorithms import max_tree_candidates
 
 ROOT = -1
 
@@ -207,11 +207,6 @@ def host_rows(*tensors: torch.Tensor) -> list[list[list[int]]]:
     return [[row[i * k:(i + 1) * k] for row in packed] for i in range(len(tensors))]
 
 
-def max_tree_candidates(num_steps: int, topk: int) -> int:
-    """Number of candidates a beam expansion produces: k at level 1, k*k at every later level."""
-    return topk + (num_steps - 1) * topk * topk
-
-
 def auto_speculative_params(
     algorithm: str,
     architecture: str | None = None,
@@ -221,49 +216,12 @@ def auto_speculative_params(
     *,
     max_bfs_breadth: int = 10,
 ) -> tuple[int, int, int]:
-    """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups (sglang_spec.md appendix A, §6.1)."""
-    algo = algorithm.upper()
-    if algo == "NGRAM":
-        # The trie decides the shape: topk is the BFS breadth, num_steps only sizes bookkeeping (SGLang: ndt // topk).
-        if max_bfs_breadth < 1:
-            raise ValueError(f"max_bfs_breadth must be >= 1, got {max_bfs_breadth}")
-        ndt = 12 if num_draft_tokens is None else num_draft_tokens
-        _check_positive(num_draft_tokens=ndt)
-        if num_steps is not None or topk is not None:
-            logger.warning("NGRAM ignores num_steps/topk: topk := max_bfs_breadth, num_steps := ndt // topk")
-        return ndt // max_bfs_breadth, max_bfs_breadth, ndt
-    if algo not in ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE"):
-        raise ValueError(
-            f"unknown speculative algorithm {algorithm!r}; expected EAGLE, EAGLE3, NEXTN, STANDALONE or NGRAM"
-        )
-
-    given = [num_steps is not None, topk is not None, num_draft_tokens is not None]
-    if any(given) and not all(given):
-        raise ValueError("set all three of num_steps, topk and num_draft_tokens, or none of them")
-    if not any(given):
-        if algo != "STANDALONE" and architecture in ("LlamaForCausalLM", "Grok1ForCausalLM"):
-            num_steps, topk, num_draft_tokens = 5, 4, 8
-        else:
-            num_steps, topk, num_draft_tokens = 3, 1, 4
-    _check_positive(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
-    if topk == 1 and num_draft_tokens != num_steps + 1:
-        logger.warning(
-            "topk == 1 builds a chain: num_draft_tokens %d -> num_steps + 1 = %d", num_draft_tokens, num_steps + 1
-        )
-        num_draft_tokens = num_steps + 1
-    capacity = max_tree_candidates(num_steps, topk)
-    if num_draft_tokens - 1 > capacity:
-        raise ValueError(
-            f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft nodes but num_steps={num_steps}, "
-            f"topk={topk} yield only {capacity}"
-        )
-    return num_steps, topk, num_draft_tokens
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups for a registered algorithm
+    (core/algorithms.py: SpeculativeAlgorithm.resolve_shape)."""
+    entry = algorithms.find(algorithm)
+    if entry is None:
+        raise algorithms.unknown_shape(algorithm)
+    return entry.resolve_shape(architecture, num_steps, topk, num_draft_tokens, max_bfs_breadth=max_bfs_breadth)
 
 
 def _safe(logprobs: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[li
                 [out] = engine.verify([VerifyInput(seq_id, len(tokens), tokens[-1], tree, greedy, stop)])
                 assert out.status == 0, out.error
                 tokens += out.token_ids
-                finished = out.finish != 0
+                finished = out.finish is not None
             if proposer is not None:
                 proposer.release([seq_id])
             outs.append(tokens[len(prompt):])

@@ -1,0 +1,250 @@
+"""The speculative algorithms Tandem knows, one torch-free `SpeculativeAlgorithm` entry each (SGLang registers its
+algorithms the same way): names, what the draft needs from the target, chain or tree, overlap / adaptive support,
+the (steps, topk, num_draft_tokens) auto-defaults and checks, the draft model it loads, its proposer factory and its
+extra flags. The CLI, the launcher, the services and the gateway read an entry; none of them compares names.
+
+Knows no torch, grpc or CLI parser: a proposer factory is named as "module:function" and imported on use.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+class TargetFeatures(enum.Enum):
+    """What the draft needs from the target besides token ids."""
+
+    NONE = "none"
+    FINAL_HIDDEN = "final_hidden"  # the final-norm hidden state of every committed token (EAGLE-2 heads, NEXTN)
+    AUX_LAYERS = "aux_layers"  # the head's aux layers' hidden states, concatenated (EAGLE-3)
+    BLOCK_FEATURES = "block_features"  # hidden states of configured layers for block drafts (DFLASH)
+
+
+class DraftModel(enum.Enum):
+    """What the draft service loads."""
+
+    NONE = "none"  # no model (NGRAM's trie; plain decoding)
+    CHECKPOINT = "checkpoint"  # a small LM (--speculative-draft-model-path; default: the bundled demo draft)
+    HEAD = "head"  # a head trained on one target (required; default: the bundled target's own head)
+    BUILT_IN = "built_in"  # the proposer builds its own (SYNTHETIC's random head)
+
+
+class ShapeRule(enum.Enum):
+    """How (num_steps, topk, num_draft_tokens) are defaulted and checked."""
+
+    NONE = "none"  # no drafts: plain decoding
+    BEAM = "beam"  # SGLang's triple: all three or none; topk 1 is a chain (ndt = steps + 1)
+    TRIE = "trie"  # the n-gram trie: ndt given, topk := its max BFS breadth, steps := ndt // topk
+
+
+@dataclass(frozen=True)
+class AlgorithmFlag:
+    """A flag only one algorithm reads; added to the speculative-decoding group of every service's parser."""
+
+    flag: str
+    help: str
+    type: type | None = str  # None = a store_true switch
+    default: object = None
+    choices: tuple | None = None
+    forward: bool = True  # `tandem serve` passes it (when set) to the model services
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class SpeculativeAlgorithm:
+    """One algorithm's capabilities. `unsupported` set: SGLang has it, Tandem parses the name and refuses it."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    drafts: bool = True  # False: plain decoding (no draft service, empty trees)
+    unsupported: str = ""
+    benchmark_only: bool = False
+    target_features: TargetFeatures = TargetFeatures.NONE
+    shape_rule: ShapeRule = ShapeRule.BEAM
+    tree: bool = True  # False: chain drafts only
+    # Targets whose auto-default is SGLang's 5/4/8 tree (every other target: the 3/1/4 chain).
+    tree_default_architectures: tuple[str, ...] = ()
+    supports_overlap: bool = False  # the proposer can pre-draft the next step from a guess (Proposer._guess_next)
+    supports_adaptive: bool = False  # chain drafts of any depth per step (gateway/adaptive.py)
+    # The draft can sample chains from its own distribution q and send q (--speculative-use-rejection-sampling)
+    supports_rejection_sampling: bool = False
+    draft_model: DraftModel = DraftModel.NONE
+    bundled_draft: str | None = None  # folder under models/ (DraftModel.CHECKPOINT / HEAD defaults)
+    token_map_ignored: str | None = "FR-Spec maps apply to EAGLE (EAGLE-2) heads only"  # None: reads the token map
+    mtp_checkpoint_refused: bool = False  # NEXTN on a checkpoint with MTP layers (not built yet)
+    proposer: str = ""  # "module:function(build) -> (Proposer, path)", see tandem/services.py DraftBuild
+    flags: tuple[AlgorithmFlag, ...] = ()
+
+    @property
+    def needs_features(self) -> bool:
+        """The target returns hidden states with its results and the gateway forwards them to the draft pod."""
+        return self.target_features is not TargetFeatures.NONE
+
+    def proposer_factory(self):
+        module, _, function = self.proposer.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+    def resolve_shape(self, architecture: str | None = None, num_steps: int | None = None, topk: int | None = None,
+                      num_draft_tokens: int | None = None, *, max_bfs_breadth: int = 10) -> tuple[int, int, int]:
+        """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups (sglang_spec.md appendix A, §6.1)."""
+        if self.shape_rule is ShapeRule.TRIE:
+            # The trie decides the shape: topk is the BFS breadth, num_steps only sizes bookkeeping (SGLang: ndt // topk).
+            if max_bfs_breadth < 1:
+                raise ValueError(f"max_bfs_breadth must be >= 1, got {max_bfs_breadth}")
+            ndt = 12 if num_draft_tokens is None else num_draft_tokens
+            _check_positive(num_draft_tokens=ndt)
+            if num_steps is not None or topk is not None:
+                logger.warning("%s ignores num_steps/topk: topk := max_bfs_breadth, num_steps := ndt // topk",
+                               self.name)
+            return ndt // max_bfs_breadth, max_bfs_breadth, ndt
+        if self.shape_rule is not ShapeRule.BEAM or self.unsupported:
+            raise unknown_shape(self.name)
+        given = [num_steps is not None, topk is not None, num_draft_tokens is not None]
+        if any(given) and not all(given):
+            raise ValueError("set all three of num_steps, topk and num_draft_tokens, or none of them")
+        if not any(given):
+            if architecture in self.tree_default_architectures:
+                num_steps, topk, num_draft_tokens = 5, 4, 8
+            else:
+                num_steps, topk, num_draft_tokens = 3, 1, 4
+        _check_positive(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+        if topk == 1 and num_draft_tokens != num_steps + 1:
+            logger.warning(
+                "topk == 1 builds a chain: num_draft_tokens %d -> num_steps + 1 = %d", num_draft_tokens, num_steps + 1
+            )
+            num_draft_tokens = num_steps + 1
+        capacity = max_tree_candidates(num_steps, topk)
+        if num_draft_tokens - 1 > capacity:
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft nodes but "
+                f"num_steps={num_steps}, topk={topk} yield only {capacity}"
+            )
+        return num_steps, topk, num_draft_tokens
+
+
+ALGORITHMS: dict[str, SpeculativeAlgorithm] = {}  # name -> entry, in registration order
+_BY_NAME: dict[str, SpeculativeAlgorithm] = {}  # name or alias -> entry
+
+
+def register(algorithm: SpeculativeAlgorithm) -> SpeculativeAlgorithm:
+    for name in (algorithm.name, *algorithm.aliases):
+        if name in _BY_NAME:
+            raise ValueError(f"speculative algorithm {name!r} is registered twice")
+    ALGORITHMS[algorithm.name] = algorithm
+    for name in (algorithm.name, *algorithm.aliases):
+        _BY_NAME[name] = algorithm
+    return algorithm
+
+
+def get(name: str | None) -> SpeculativeAlgorithm:
+    """The entry of a name or alias (any case); None or "" = plain decoding. KeyError for a name nobody registered."""
+    key = (name or NONE.name).upper()
+    if key not in _BY_NAME:
+        raise KeyError(f"unknown speculative algorithm {name!r}")
+    return _BY_NAME[key]
+
+
+def find(name: str | None) -> SpeculativeAlgorithm | None:
+    try:
+        return get(name)
+    except KeyError:
+        return None
+
+
+def choices() -> list[str]:
+    """Every name and alias the --speculative-algorithm flag accepts: the built ones, then the refused ones."""
+    built = [a for a in ALGORITHMS.values() if not a.unsupported]
+    refused = [a for a in ALGORITHMS.values() if a.unsupported]
+    return [*(a.name for a in built), *(n for a in built for n in a.aliases),
+            *(n for a in refused for n in (a.name, *a.aliases))]
+
+
+def names(where) -> list[str]:
+    """Names of the built, non-benchmark algorithms an entry predicate selects, in registration order (messages)."""
+    return [a.name for a in ALGORITHMS.values() if not a.unsupported and not a.benchmark_only and where(a)]
+
+
+def unknown_shape(name: str) -> ValueError:
+    """The error for a name that has no draft shape (unknown, plain decoding or not built)."""
+    shaped = [n for a in ALGORITHMS.values() if a.shape_rule is not ShapeRule.NONE and not a.unsupported
+              and not a.benchmark_only for n in (a.name, *a.aliases)]
+    return ValueError(f"unknown speculative algorithm {name!r}; expected {_or_list(sorted(shaped))}")
+
+
+def max_tree_candidates(num_steps: int, topk: int) -> int:
+    """Number of candidates a beam expansion produces: k at level 1, k*k at every later level."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _or_list(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+# ---------------------------------------------------------------- the entries
+# SGLang's EAGLE-family defaults: a 5/4/8 tree on these targets, the 3/1/4 chain elsewhere (appendix A).
+_TREE_TARGETS = ("LlamaForCausalLM", "Grok1ForCausalLM")
+
+NONE = register(SpeculativeAlgorithm("NONE", drafts=False, shape_rule=ShapeRule.NONE))
+
+register(SpeculativeAlgorithm(
+    "STANDALONE", supports_overlap=True, supports_adaptive=True, draft_model=DraftModel.CHECKPOINT,
+    bundled_draft="tandem-demo-code-draft", proposer="draft_service.standalone:build"))
+
+register(SpeculativeAlgorithm(
+    "NGRAM", shape_rule=ShapeRule.TRIE, proposer="draft_service.ngram_draft:build", flags=(
+        AlgorithmFlag("--speculative-ngram-min-bfs-breadth", "NGRAM: min BFS breadth", int, 1),
+        AlgorithmFlag("--speculative-ngram-max-bfs-breadth", "NGRAM: max BFS breadth", int, 10),
+        AlgorithmFlag("--speculative-ngram-match-type", "NGRAM: BFS (recency) or PROB (frequency) tree construction",
+                      str, "BFS", ("BFS", "PROB")),
+        AlgorithmFlag("--speculative-ngram-max-trie-depth", "NGRAM: max trie depth", int, 18),
+        AlgorithmFlag("--speculative-ngram-capacity", "NGRAM: trie node capacity", int, 10_000_000),
+    )))
+
+register(SpeculativeAlgorithm(
+    "EAGLE", aliases=("NEXTN",), target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
+    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_checkpoint_refused=True, proposer="draft_service.eagle:build"))
+
+register(SpeculativeAlgorithm(
+    "EAGLE3", target_features=TargetFeatures.AUX_LAYERS, tree_default_architectures=_TREE_TARGETS,
+    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    bundled_draft="tandem-demo-code-eagle3",
+    token_map_ignored="an EAGLE-3 head carries its own d2t map", proposer="draft_service.eagle:build"))
+
+# Synthetic acceptance (draft_service/synthetic.py), benchmarks only: an oracle continuation corrupted at a set rate,
+# spending an EAGLE-3-sized head's compute; it takes an EAGLE-3 head's shapes.
+register(SpeculativeAlgorithm(
+    "SYNTHETIC", benchmark_only=True, tree_default_architectures=_TREE_TARGETS, supports_adaptive=True,
+    draft_model=DraftModel.BUILT_IN, proposer="draft_service.synthetic:build", flags=(
+        AlgorithmFlag("--synthetic-oracle", "SYNTHETIC (synthetic acceptance, benchmarks only): JSON of each prompt's "
+                      "target greedy continuation, written by bench/speculative.py's reference AR run"),
+        AlgorithmFlag("--synthetic-accept-rate", "SYNTHETIC: probability that each oracle token is kept in the draft "
+                      "(expected accept length of depth D: sum_{i=0..D} a^i)", float, 0.8),
+        AlgorithmFlag("--synthetic-head-hidden", "SYNTHETIC: hidden size of the random EAGLE-3-sized head whose compute "
+                      "is spent per step (default: the target's; 0 = no head compute)", int),
+        AlgorithmFlag("--synthetic-draft-vocab", "SYNTHETIC: lm_head rows of that head", int, 32000),
+        AlgorithmFlag("--synthetic-margin-weights", "SYNTHETIC, target with --load-format dummy: structured dummy "
+                      "weights whose greedy argmax wins by tens of logits (runtime/models/loader.widen_dummy_margins), "
+                      "so the oracle survives bf16 rounding differences between verify and decode (bench/speculative.py "
+                      "--mode services)", None, forward=False),
+    )))
+
+# SGLang's algorithms Tandem does not run yet: parsed, then refused at start-up (tandem/compat.py).
+register(SpeculativeAlgorithm("UNO", unsupported="UNO (LoRA self-drafting by the target) is not supported yet"))
+register(SpeculativeAlgorithm("DFLASH", target_features=TargetFeatures.BLOCK_FEATURES, tree=False,
+                              unsupported="DFLASH (block-diffusion drafts) is not supported yet"))
+register(SpeculativeAlgorithm("DSPARK", tree=False,
+                              unsupported="DSPARK (block drafts with ragged verify) is not supported yet"))
