@@ -78,7 +78,10 @@ class SpeculativeAlgorithm:
     draft_model: DraftModel = DraftModel.NONE
     bundled_draft: str | None = None  # folder under models/ (DraftModel.CHECKPOINT / HEAD defaults)
     token_map_ignored: str | None = "FR-Spec maps apply to EAGLE (EAGLE-2) heads only"  # None: reads the token map
-    mtp_checkpoint_refused: bool = False  # NEXTN on a checkpoint with MTP layers (not built yet)
+    # The target checkpoint's own MTP / NextN layers (config num_nextn_predict_layers, runtime/models/mtp.py) are
+    # the draft: "always" when the target has them (a draft path given is not needed), "default" only when no other
+    # draft path resolves (an explicit or bundled head wins), "" never.
+    mtp_draft: str = ""
     proposer: str = ""  # "module:function(build) -> (Proposer, path)", see tandem/services.py DraftBuild
     flags: tuple[AlgorithmFlag, ...] = ()
 
@@ -214,15 +217,25 @@ register(SpeculativeAlgorithm(
     )))
 
 register(SpeculativeAlgorithm(
-    "EAGLE", aliases=("NEXTN",), target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
+    "EAGLE", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
     supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
-    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_checkpoint_refused=True, proposer="draft_service.eagle:build"))
+    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_draft="default",
+    proposer="draft_service.eagle:build"))
 
 register(SpeculativeAlgorithm(
     "EAGLE3", target_features=TargetFeatures.AUX_LAYERS, tree_default_architectures=_TREE_TARGETS,
     supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
     bundled_draft="tandem-demo-code-eagle3",
     token_map_ignored="an EAGLE-3 head carries its own d2t map", proposer="draft_service.eagle:build"))
+
+# MTP / NextN (DeepSeek-V3 layout; MiMo, GLM, Qwen3-Next): the target's own MTP layers draft, fed the target's
+# final hidden states (runtime/models/mtp.py). On a checkpoint without MTP layers it drafts with an EAGLE-2 head
+# (--speculative-draft-model-path; the bundled one for the bundled target), as SGLang's NEXTN does.
+register(SpeculativeAlgorithm(
+    "NEXTN", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
+    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_draft="always",
+    proposer="draft_service.eagle:build"))
 
 # Synthetic acceptance (draft_service/synthetic.py), benchmarks only: an oracle continuation corrupted at a set rate,
 # spending an EAGLE-3-sized head's compute; it takes an EAGLE-3 head's shapes.

@@ -211,15 +211,34 @@ def read_architecture(path: str) -> str:
     return archs[0]
 
 
+def mtp_layers(path: str) -> int:
+    """num_nextn_predict_layers of a checkpoint's config.json: its MTP / NextN layers (0 when absent or unreadable)."""
+    config = Path(path) / "config.json"
+    try:
+        return int(json.loads(config.read_text()).get("num_nextn_predict_layers") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def draft_model_path(args: argparse.Namespace) -> str | None:
     """The draft checkpoint the draft service loads: --speculative-draft-model-path, else the bundled one (a
-    STANDALONE draft for any target; a head only for the bundled target it was trained on); None without one."""
+    STANDALONE draft for any target; a head only for the bundled target it was trained on), else the target itself
+    when its own MTP layers draft (registry `mtp_draft`); None without one."""
     entry = algorithms.get(args.speculative_algorithm)
+    target = model_path(args)
+    if entry.mtp_draft and mtp_layers(target):
+        given = args.speculative_draft_model_path
+        if entry.mtp_draft == "always" or not (given or entry.bundled_draft and _is_bundled_target(target)):
+            return target  # (a draft path given for NEXTN is not needed: tandem/compat.py says so at start-up)
     if args.speculative_draft_model_path or entry.bundled_draft is None:
         return args.speculative_draft_model_path
     if entry.draft_model is DraftModel.HEAD and Path(model_path(args)).resolve() != DEFAULT_MODEL.resolve():
         return None
     return str(REPO_ROOT / "models" / entry.bundled_draft)
+
+
+def _is_bundled_target(path: str) -> bool:
+    return Path(path).resolve() == DEFAULT_MODEL.resolve()
 
 
 def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
@@ -230,8 +249,9 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     if entry.draft_model is DraftModel.HEAD:
         args.speculative_draft_model_path = draft_model_path(args)  # the bundled target's own head
         if not args.speculative_draft_model_path:
+            mtp = " or a target checkpoint with MTP layers (num_nextn_predict_layers)" if entry.mtp_draft else ""
             raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path "
-                             "(the head)")
+                             f"(the head){mtp}")
     if not entry.drafts:
         if getattr(args, "speculative_adaptive", False):
             raise SystemExit("error: --speculative-adaptive needs --speculative-algorithm")

@@ -8,7 +8,6 @@ statuses and its test checks that every flag there parses.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,22 +105,14 @@ def check_unsupported(args: argparse.Namespace) -> None:
             continue
         shown = "" if f.kind is None else f" {value}"
         raise SystemExit(f"error: {f.flag}{shown}: {f.reason}")
-    if entry.mtp_checkpoint_refused and _mtp_layers(args):
-        raise SystemExit(f"error: --speculative-algorithm {algorithm} on a checkpoint with MTP layers "
-                         f"(num_nextn_predict_layers in {args.model_path}/config.json): {NOT_YET}; pass an EAGLE head "
-                         "with --speculative-draft-model-path")
+    from tandem.args import model_path, mtp_layers
 
-
-def _mtp_layers(args: argparse.Namespace) -> int:
-    """num_nextn_predict_layers of the target checkpoint (0 when absent or unreadable)."""
-    path = getattr(args, "model_path", None)
-    config = Path(path) / "config.json" if path else None
-    if config is None or not config.exists():
-        return 0
-    try:
-        return int(json.loads(config.read_text()).get("num_nextn_predict_layers") or 0)
-    except (ValueError, TypeError):
-        return 0
+    given = getattr(args, "speculative_draft_model_path", None)
+    target = model_path(args)
+    if (entry.mtp_draft == "always" and given and mtp_layers(target)
+            and Path(given).resolve() != Path(target).resolve()):
+        _warn(args, f"--speculative-draft-model-path {given} is not needed: {target} has its own MTP layers "
+                    f"(num_nextn_predict_layers), which draft for {entry.name}")
 
 
 def resolve_device(device: str) -> str:

@@ -66,7 +66,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     target_runner = ModelRunner(str(target_path), dataclasses.replace(engine_config, enable_prefix_cache=prefix_cache))
     proposer = None
     capture = {}
-    if algorithm in ("EAGLE", "EAGLE3"):
+    if algorithm in ("EAGLE", "EAGLE3", "NEXTN"):  # feature drafts (NEXTN: draft_path = an MTP target itself)
         from draft_service.eagle import EagleProposer
 
         proposer = EagleProposer(str(target_path), str(draft_path), engine_config, algorithm,

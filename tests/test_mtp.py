@@ -77,3 +77,44 @@ def test_bad_mtp_requests_are_refused(tmp_path, mtp_target):
         build_mtp_head(plain, ModelConfig.from_pretrained(plain), CPU)
     with pytest.raises(ValueError, match="has 2 MTP layer"):
         build_mtp_head(mtp_target, ModelConfig.from_pretrained(mtp_target), CPU, num_layers=3)
+
+
+# ---------------------------------------------------------------------------------------------- NEXTN end to end
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 4, 8)], ids=["chain-3-1-4", "tree-3-4-8"])
+async def test_nextn_with_the_targets_mtp_layer_equals_hf_greedy_through_the_services(mtp_target, steps, topk, ndt):
+    """NEXTN with no draft model: the draft service runs the target checkpoint's first MTP layer autoregressively,
+    fed the target's final hidden states; greedy output equals HF `generate` of the target."""
+    import asyncio
+
+    from tests.stack import generate_ids, local_stack
+    from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+
+    hf = load_hf_model(mtp_target)
+    all_prompts = prompts(hf.config.vocab_size)
+    async with local_stack(mtp_target, algorithm="NEXTN", draft_path=mtp_target, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        assert type(scheduler.test_proposer.model).__name__ == "MTPHead"
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 14 + 3 * i, request_id=f"n{i}")
+                                         for i, p in enumerate(all_prompts)))
+        for i, (prompt, (got, usage, _)) in enumerate(zip(all_prompts, results)):
+            assert got == hf_greedy(hf, prompt, 14 + 3 * i), f"prompt {i} diverged from HF"
+        assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
+        await _assert_no_kv_leak(scheduler)
+
+
+def test_the_draft_service_builds_the_mtp_head_from_the_target_path(mtp_target):
+    """`tandem draft --speculative-algorithm NEXTN --model-path <MTP target>`: the registry's factory loads the MTP
+    layer (no head checkpoint), and the target service is told to return final hidden states."""
+    from tandem.cli import build_parser, prepare
+    from tandem.services import _feature_capture, build_proposer
+
+    parser = build_parser()
+    args = parser.parse_args(["draft", "--model-path", mtp_target, "--speculative-algorithm", "NEXTN",
+                              "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "512"])
+    prepare(args, parser)
+    proposer, path = build_proposer(args)
+    assert type(proposer.model).__name__ == "MTPHead" and path == mtp_target
+    target_args = parser.parse_args(["target", "--model-path", mtp_target, "--speculative-algorithm", "NEXTN",
+                                     "--device", "cpu"])
+    prepare(target_args, parser)
+    assert _feature_capture(target_args, ModelRunner(mtp_target, CPU)) == {"final_norm_features": True}

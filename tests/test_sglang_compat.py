@@ -76,12 +76,26 @@ def test_unbuilt_algorithms_parse_and_are_refused(algorithm):
     assert "not supported yet" in str(exc.value) and algorithm.upper() in str(exc.value)
 
 
-def test_nextn_on_a_checkpoint_with_mtp_layers_is_refused(tmp_path):
+def test_nextn_on_a_checkpoint_with_mtp_layers_drafts_with_them(tmp_path, capsys):
+    """NEXTN (and EAGLE without a head) on a target with MTP layers: the target's own layers draft, no draft path;
+    a draft path given to NEXTN is not needed (said at start-up); without MTP layers NEXTN needs a head."""
     config = json.loads((DEFAULT_MODEL / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    args = _prepare("--model-path", str(tmp_path), "--speculative-algorithm", "NEXTN")
+    assert args.speculative_algorithm == "NEXTN" and args.speculative_draft_model_path == str(tmp_path)
+    args = _prepare("--model-path", str(tmp_path), "--speculative-algorithm", "EAGLE")
+    assert args.speculative_draft_model_path == str(tmp_path)
+    capsys.readouterr()
+    args = _prepare("--model-path", str(tmp_path), "--speculative-algorithm", "NEXTN",
+                    "--speculative-draft-model-path", str(DEFAULT_MODEL))
+    assert args.speculative_draft_model_path == str(tmp_path)
+    assert "is not needed" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit) as exc:
-        _prepare("--model-path", str(tmp_path), "--speculative-algorithm", "NEXTN")
-    assert "MTP layers" in str(exc.value) and "not supported yet" in str(exc.value)
+        _prepare("--model-path", str(plain), "--speculative-algorithm", "NEXTN")
+    assert "NEXTN needs --speculative-draft-model-path" in str(exc.value) and "MTP layers" in str(exc.value)
 
 
 def test_every_compat_flag_is_refused_or_noted():

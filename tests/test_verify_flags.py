@@ -59,10 +59,10 @@ def test_rejection_sampling_on_an_eagle_chain_starts(command):
     assert args.speculative_use_rejection_sampling and args.speculative_eagle_topk == 1
 
 
-def test_nextn_is_eagle_for_rejection_sampling():
+def test_nextn_takes_rejection_sampling_like_eagle():
     args = _prepare("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk",
                     "1", "--speculative-num-draft-tokens", "3", "--speculative-use-rejection-sampling")
-    assert args.speculative_algorithm == "EAGLE"
+    assert args.speculative_algorithm == "NEXTN" and args.speculative_use_rejection_sampling
 
 
 @pytest.mark.parametrize("command", ["serve", "target"])

@@ -113,6 +113,13 @@ def add_mtp_layers(path: str, num_layers: int = 2, seed: int = 5, std: float = 0
             tensors[p + "self_attn.q_norm.weight"] = norm(hd)
             tensors[p + "self_attn.k_norm.weight"] = norm(hd)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "mtp.safetensors"))
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):  # a sharded checkpoint lists its MTP tensors in the index, as real ones do
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2)
     config["num_nextn_predict_layers"] = num_layers
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)

@@ -98,7 +98,9 @@ def load_draft_head(
     algorithm: str,
     token_map: str | Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load an EAGLE (alias NEXTN) or EAGLE3 head from its published checkpoint, with the target's shared tensors.
+    """Load an EAGLE / NEXTN or EAGLE3 head from its published checkpoint, with the target's shared tensors; for
+    EAGLE / NEXTN, a checkpoint with MTP layers (num_nextn_predict_layers: the target itself) gives its first MTP
+    layer instead (runtime/models/mtp.py), run autoregressively.
 
     Returns (model in eval mode on the engine device, ModelConfig describing its KV shape for a ModelRunner)."""
     algorithm = algorithm.upper()
@@ -112,6 +114,12 @@ def load_draft_head(
     if arch in (EAGLE_ARCH, EAGLE3_ARCH) and arch != wanted:
         raise ValueError(f"{draft_path} is a {arch} checkpoint, which does not fit --speculative-algorithm {algorithm}")
     target_config = ModelConfig.from_pretrained(target_path)
+    if wanted == EAGLE_ARCH and int(raw.get("num_nextn_predict_layers") or 0) > 0:
+        if token_map is not None:
+            raise ValueError("--speculative-token-map is for EAGLE-2 heads; MTP layers use the target's whole vocab")
+        from runtime.models.mtp import build_mtp_head
+
+        return build_mtp_head(draft_path, ModelConfig.from_pretrained(draft_path), engine_config, num_layers=1)
     if wanted == EAGLE3_ARCH:
         if token_map is not None:
             raise ValueError("--speculative-token-map is for EAGLE; an EAGLE-3 head carries its own d2t map")

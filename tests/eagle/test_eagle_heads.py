@@ -151,7 +151,7 @@ def test_fr_spec_token_map_restricts_and_maps_back_the_eagle_head(target_path, e
     torch.testing.assert_close(model.lm_head.weight, ref.target_head[hot])
     torch.testing.assert_close(model.embed_tokens.weight, ref.embed)  # the target's, not the checkpoint copy
     proposer = EagleProposer(target_path, path, ENGINE, algorithm="NEXTN", token_map=map_path)
-    assert proposer.algorithm == "EAGLE"
+    assert proposer.algorithm == "NEXTN" and type(proposer.model).__name__ == "LlamaEagleForCausalLM"  # a head
     committed = [3, 77, 150, 8, 21]
     feats = _feats(4, "eagle")
     proposer.prefill("s", committed, feats)

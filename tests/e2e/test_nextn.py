@@ -1,0 +1,42 @@
+"""End to end: `tandem serve --speculative-algorithm NEXTN` on a checkpoint that carries an MTP layer (the bundled
+demo target, copied, with a DeepSeek-V3-layout MTP layer appended to its sharded checkpoint): three real processes,
+no draft model flag; the draft service runs the target's own MTP layer; greedy output equals HF `generate`."""
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+import torch
+import transformers
+
+from tandem.args import DEFAULT_MODEL
+from tests.e2e.test_serve import Stack
+from tests.tiny_models import add_mtp_layers
+
+pytestmark = pytest.mark.slow
+
+
+def test_nextn_serves_the_targets_own_mtp_layer(tmp_path):
+    target = tmp_path / "demo-mtp"
+    shutil.copytree(DEFAULT_MODEL, target)
+    add_mtp_layers(str(target), num_layers=1, std=0.02)
+    stack = Stack("--model-path", str(target), "--speculative-algorithm", "NEXTN", "--device", "cpu",
+                  "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+                  "--speculative-num-draft-tokens", "3")
+    try:
+        stack.wait_ready()
+        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+        prompt = "def fibonacci(n):\n    "
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))
+        resp = client.completions.create(model=target.name, prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        assert resp.usage.completion_tokens == 24
+    finally:
+        assert stack.stop() == 0
