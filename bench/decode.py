@@ -104,16 +104,14 @@ def bench_ours(cfg: ModelConfig, args, device: torch.device) -> dict:
             for s in seqs:
                 runner.truncate(s, args.prompt_len)
             if use_graph:
-                # Greedy steps back to back with the token fed on the device (runtime/pipelined_decode.py, used by
+                # Greedy steps back to back with the token fed on the device (ModelRunner.greedy_decode_steps, used by
                 # --num-continuous-decode-steps): host work overlapped with the GPU, one readback for all steps.
-                from runtime.pipelined_decode import greedy_decode_steps
-
-                greedy_decode_steps(runner, seqs, start_ids, args.warmup_steps)
+                runner.greedy_decode_steps(seqs, start_ids, args.warmup_steps)
                 for s in seqs:
                     runner.truncate(s, args.prompt_len)
                 sync(runner.device)
                 start = time.perf_counter()
-                greedy_decode_steps(runner, seqs, start_ids, args.steps)
+                runner.greedy_decode_steps(seqs, start_ids, args.steps)
                 seconds = time.perf_counter() - start
                 results["decode"].setdefault("pipelined", {})[bs] = {"tok_s": bs * args.steps / seconds,
                                                                      "step_ms": 1e3 * seconds / args.steps}

@@ -5,6 +5,7 @@ and the gateway's clients translate them to and from tandem.v1 messages.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class SeqStatus(enum.IntEnum):
@@ -22,3 +23,15 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token (EOS / stop_token_ids) or a stop string
     LENGTH = "length"  # max_new_tokens or the context length reached
     ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a sequence stops, as the target applies it token by token: after max_new_tokens output tokens, at a stop
+    token (EOS and the request's stop_token_ids; ignored with ignore_eos), or at the context length. prompt_len: the
+    committed tokens that are prompt, not output. (Stop strings are the gateway's: they need detokenized text.)"""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    prompt_len: int = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.types import FinishReason, SeqStatus
+from core.types import FinishReason, SeqStatus, StopRule
 from gateway.features import FeatureRows
 from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -29,20 +29,12 @@ class PodUnavailable(Exception):
 
 
 @dataclass
-class SeqStop:
-    max_new_tokens: int
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    prompt_len: int
-
-
-@dataclass
 class TargetPrefillItem:
     seq_id: str
     token_ids: list[int]
     sample_next_token: bool
     sampling: RequestSampling
-    stop: SeqStop
+    stop: StopRule
     return_features: bool = False
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and k alternatives
 
@@ -55,7 +47,7 @@ class VerifyItem:
     tree_tokens: list[int]
     tree_parents: list[int]
     sampling: RequestSampling
-    stop: SeqStop
+    stop: StopRule
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
     logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and k alternatives
@@ -141,8 +133,8 @@ def _features_to_pb(rows: FeatureRows | None) -> pb.Tensor | None:
     return pb.Tensor(dtype=rows.dtype, shape=[rows.num_rows, *rows.row_shape], data=rows.data)
 
 
-def _stop(s: SeqStop) -> pb.StopParams:
-    return pb.StopParams(max_new_tokens=s.max_new_tokens, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+def _stop(s: StopRule) -> pb.StopParams:
+    return pb.StopParams(max_new_tokens=s.max_new_tokens, stop_token_ids=sorted(s.stop_token_ids), ignore_eos=s.ignore_eos,
                          prompt_len=s.prompt_len)
 
 

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from core import algorithms
 from gateway.adaptive import AdaptiveSpec
 from gateway.drafting import Drafting, SpecConfig
-from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable,
-                             SeqStop, TargetClient, TargetPrefillItem, VerifyItem)
+from core.types import StopRule
+from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, TargetClient,
+                             TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
 from gateway.overlap import PINGPONG, OverlapSchedule
 from gateway.pods import PodPool
@@ -222,7 +223,7 @@ class Scheduler:
         seq_id = f"{self._gateway_id}-{next(self._counter)}"
         stop_ids = [] if params.ignore_eos else sorted({*self.eos_token_ids, *params.stop_token_ids})
         seq = Sequence(seq_id, params, self.tokenizer, deadline,
-                       SeqStop(params.max_new_tokens, stop_ids, params.ignore_eos, prompt_len))
+                       StopRule(params.max_new_tokens, frozenset(stop_ids), params.ignore_eos, prompt_len))
         self._by_request[params.request_id] = seq
         self._waiting.append(seq)
         self._wakeup.set()

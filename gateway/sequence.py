@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from gateway.clients import SeqStop
+from core.types import StopRule
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.features import FeatureLog
 from gateway.types import FinishReason, GenerateChunk, GenerateParams, Usage
@@ -28,7 +28,7 @@ class Predraft:
 
 
 class Sequence:
-    def __init__(self, seq_id: str, params: GenerateParams, tokenizer, deadline: float, stop: SeqStop):
+    def __init__(self, seq_id: str, params: GenerateParams, tokenizer, deadline: float, stop: StopRule):
         self.seq_id = seq_id
         self.params = params
         self.request_id = params.request_id

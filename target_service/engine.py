@@ -16,24 +16,16 @@ import torch
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from core.types import FinishReason
+from core.types import FinishReason, StopRule
 from core.types import SeqStatus as Status
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import EXACT, AcceptThresholds
 from runtime.speculative.verify_step import VerifyItem
-from target_service.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
+from runtime.speculative.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
-
-
-@dataclass
-class StopRule:
-    max_new_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    prompt_len: int = 0
 
 
 @dataclass
@@ -229,25 +221,23 @@ class TargetEngine:
 
     def _pipelined_steps(self, more: list[tuple[VerifyInput, StepOutput]]) -> float:
         """Continuous decode of greedy sequences on CUDA graphs with the token fed on the device
-        (runtime/pipelined_decode.py): as many steps as every such sequence still wants and may emit, host work
+        (ModelRunner.greedy_decode_steps): as many steps as every such sequence still wants and may emit, host work
         overlapped with the GPU and one readback; the sequential loop in `verify` does whatever is left. Returns the
         milliseconds spent."""
         if not more:
             return 0.0
-        from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
-
         group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish is None
                  and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
                  and not inp.sampling.has_penalties and inp.seq_id in self._seqs]
-        if not group or not can_pipeline(self.runner, [inp.seq_id for inp, _ in group]):
+        if not group or not self.runner.can_decode_continuously([inp.seq_id for inp, _ in group]):
             return 0.0
         steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
                     min(self._room(self._seqs[inp.seq_id]) for inp, _ in group))
         if steps < 2:
             return 0.0
         start = time.perf_counter()
-        tokens = greedy_decode_steps(self.runner, [inp.seq_id for inp, _ in group],
-                                     [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps)
+        tokens = self.runner.greedy_decode_steps([inp.seq_id for inp, _ in group],
+                                                 [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps)
         for (inp, out), emitted in zip(group, tokens):
             if not emitted:
                 continue

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from gateway.clients import PodUnavailable, SeqStop, TargetClient, VerifyItem
+from gateway.clients import PodUnavailable, StopRule, TargetClient, VerifyItem
 from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -162,7 +162,7 @@ async def _serve(servicer=None, handlers=None):
 
 
 def _item(seq_id: str = "a", root: int = 5) -> VerifyItem:
-    return VerifyItem(seq_id, 3, root, [], [], RequestSampling(), SeqStop(10, [], False, 2))
+    return VerifyItem(seq_id, 3, root, [], [], RequestSampling(), StopRule(10, [], False, 2))
 
 
 async def test_hung_stream_response_hits_the_deadline_and_the_next_call_reopens():

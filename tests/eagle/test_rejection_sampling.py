@@ -12,7 +12,7 @@ import torch
 import transformers
 from scipy.stats import chisquare
 
-import target_service.acceptance as acceptance
+import runtime.speculative.acceptance as acceptance
 from draft_service.eagle import EagleProposer
 from draft_service.proposer import ProposeInput, SpecShape, Status
 from runtime.config import EngineConfig

@@ -1,4 +1,4 @@
-"""Pipelined greedy decode (runtime/pipelined_decode.py) through the graph runner's real buffers (fake capture, see
+"""Pipelined greedy decode (ModelRunner.greedy_decode_steps) through the graph runner's real buffers (fake capture, see
 fake_graphs.py): the device-fed token chain gives exactly the tokens of one decode forward per step, the KV it leaves
 behind is the same (later forwards agree), buckets pad, and TargetEngine's --num-continuous-decode-steps takes the
 pipelined path for greedy batches, cutting at stops and length like the step-by-step loop."""
@@ -11,7 +11,6 @@ import torch
 from core.types import FinishReason
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.pipelined_decode import can_pipeline, greedy_decode_steps
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from target_service.engine import PrefillInput, Status, StopRule, TargetEngine, VerifyInput
@@ -53,9 +52,9 @@ def test_device_fed_chain_equals_one_forward_per_step(llama):
         last_ref = [int(row[-1].argmax()) for row in out.logits]
         for w, t in zip(want, last_ref):
             w.append(t)
-    assert can_pipeline(pipe, ids)
+    assert pipe.can_decode_continuously(ids)
     before = pipe.graph_runner.num_replays()
-    got = greedy_decode_steps(pipe, ids, last_pipe, 6)
+    got = pipe.greedy_decode_steps(ids, last_pipe, 6)
     assert got == want
     assert pipe.graph_runner.num_replays() - before == 6  # every step replayed a graph (3 sequences -> bucket 4)
     assert [pipe.kv_len(s) for s in ids] == [ref.kv_len(s) for s in ids]
@@ -69,11 +68,11 @@ def test_device_fed_chain_equals_one_forward_per_step(llama):
 def test_no_graphs_or_open_tree_region_means_no_pipeline(llama):
     eager = _runner(llama, graphs=False)
     _prefill(eager)
-    assert not can_pipeline(eager, ["s0"])
+    assert not eager.can_decode_continuously(["s0"])
     pipe = _runner(llama, graphs=True)
     _prefill(pipe)
     pipe.forward([SeqForward("s0", [1, 2], parents=[-1, 0], logits="all")])  # an open tree region
-    assert not can_pipeline(pipe, ["s0"]) and can_pipeline(pipe, ["s1"])
+    assert not pipe.can_decode_continuously(["s0"]) and pipe.can_decode_continuously(["s1"])
 
 
 def _engine(path: str, graphs: bool) -> TargetEngine:
@@ -90,11 +89,9 @@ def _run(engine: TargetEngine, steps: int, max_new: int, stop_ids=frozenset()):
 
 
 def test_engine_continuous_decode_takes_the_pipelined_path_and_matches(llama, monkeypatch):
-    import runtime.pipelined_decode as pd
-
     calls = []
-    real = pd.greedy_decode_steps
-    monkeypatch.setattr(pd, "greedy_decode_steps", lambda *a: calls.append(a[3]) or real(*a))
+    real = ModelRunner.greedy_decode_steps
+    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a: calls.append(a[2]) or real(self, *a))
     _, want = _run(_engine(llama, graphs=False), 8, 64)
     _, got = _run(_engine(llama, graphs=True), 8, 64)
     assert calls == [7]  # the first step is the plain verify, the other 7 are pipelined

@@ -2,22 +2,20 @@
 a draft tree (greedy walk, tree sampling — exact, or lossy under accept thresholds < 1 —, or chain p/q rejection
 sampling when the draft sent the distributions it sampled from), and the log-probabilities it reports. Every path applies the same
 processing (runtime.sampling), so a verify step can never drift from plain decoding. Knows nothing about batching, KV
-or the wire; TargetEngine owns the sequences these functions read.
+or the wire; target_service.engine.TargetEngine owns the sequences these functions read (the verify step of the
+runtime: the servicers only convert).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from core.types import StopRule
 from runtime.sampling import SamplingParams, penalize_logits, process_logits
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import (EXACT, AcceptThresholds, VerifyOutcome, verify_chain_rejection, verify_greedy,
                                         verify_tree_sampling)
-
-if TYPE_CHECKING:
-    from target_service.engine import StopRule
 
 
 @dataclass
