@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -46,7 +47,19 @@ class Topology:
                                 "--draft-address", f"127.0.0.1:{self.ports['draft-0']}",
                                 "--port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"])])
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.ports['grpc']}")
-        pb_grpc.GatewayStub(self.channel).Info(pb.InfoRequest(), timeout=240, wait_for_ready=True)
+        deadline = time.monotonic() + 240
+        while True:  # ready, or fail at once with the name of a process that died while starting
+            dead = {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+            if dead:
+                self.close()
+                raise RuntimeError(f"processes exited while starting: {dead}")
+            try:
+                pb_grpc.GatewayStub(self.channel).Info(pb.InfoRequest(), timeout=2, wait_for_ready=True)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise
 
     def _start(self, name: str, cmd: list[str]) -> None:
         self.procs[name] = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
