@@ -50,7 +50,7 @@ def propose_inputs(request: pb.ProposeRequest, limits: Limits = Limits()) -> lis
                 raise ValueError(f"{len(s.new_token_ids)} new tokens > committed_len {s.committed_len}")
             _check_tokens(s.new_token_ids, limits)
             items.append(ProposeInput(s.seq_id, s.committed_len, list(s.new_token_ids), spec,
-                                      features=tensor_from_pb(s.hidden), append_guess=s.append_guess,
+                                      features=tensor_from_pb(s.features), append_guess=s.append_guess,
                                       sampling=_sampling(s)))
         except ValueError as exc:
             items.append(ProposeOutput(s.seq_id, Status.INVALID, base_committed_len=s.committed_len,
@@ -64,7 +64,7 @@ def prefill_inputs(request: pb.DraftPrefillRequest, limits: Limits = Limits()) -
     for s in request.seqs:
         try:
             _check_tokens(s.token_ids, limits)
-            items.append(PrefillItem(s.seq_id, list(s.token_ids), tensor_from_pb(s.hidden)))
+            items.append(PrefillItem(s.seq_id, list(s.token_ids), tensor_from_pb(s.features)))
         except ValueError as exc:
             items.append(PrefillItem(s.seq_id, [], None, Status.INVALID, str(exc)))
     return items

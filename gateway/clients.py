@@ -276,13 +276,13 @@ class TargetClient(_Client):
     async def prefill(self, items: list[TargetPrefillItem]) -> list[StepResult]:
         request = pb.TargetPrefillRequest(seqs=[
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
-                                sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
+                                sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                                 return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self._call(self.stub.Prefill, request)
         return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
                            error=r.error,
-                           features=_features_from_pb(r.hidden), logprobs=_logprobs(r),
+                           features=_features_from_pb(r.features), logprobs=_logprobs(r),
                            num_cached_tokens=r.num_cached_tokens) for r in response.results]
 
     async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
@@ -290,14 +290,14 @@ class TargetClient(_Client):
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
                          tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents,
                                            draft_probs=_features_to_pb(i.draft_probs)),
-                         sampling=_sampling(i.sampling), stop=_stop(i.stop), return_hidden=i.return_features,
+                         sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                          num_decode_steps=i.num_decode_steps, return_logprobs=i.logprobs >= 0,
                          top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self.verify_stream(request)
         return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
                            r.num_accepted_drafts,
-                           r.num_draft_tokens, r.error, _features_from_pb(r.hidden), max(1, r.num_steps),
+                           r.num_draft_tokens, r.error, _features_from_pb(r.features), max(1, r.num_steps),
                            _logprobs(r))
                 for r in response.results]
 
@@ -317,7 +317,7 @@ class DraftClient(_Client):
         return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
 
     async def prefill(self, seqs: list[tuple[str, list[int], FeatureRows | None]]) -> list[SeqStatus]:
-        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t, hidden=_features_to_pb(f))
+        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t, features=_features_to_pb(f))
                                                for s, t, f in seqs])
         response = await self._call(self.stub.Prefill, request)
         return [_status(r.status) for r in response.results]
@@ -325,7 +325,7 @@ class DraftClient(_Client):
     async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
-                          hidden=_features_to_pb(i.features),
+                          features=_features_to_pb(i.features),
                           spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
                           append_guess=i.append_guess,
                           sampling=_sampling(i.sampling) if i.sampling is not None else None)

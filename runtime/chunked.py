@@ -53,7 +53,7 @@ def forward_chunked(runner: ModelRunner, batch: list[SeqForward], limit: int | N
                                      capture_hidden=sf.capture_hidden, input_features=feats))
         out = runner.forward(pieces, capture_layers=capture_layers, outputs=outputs)
         for k, ((index, _, _), piece, rows, hid, ax) in enumerate(zip(chunk, pieces, out.logits, out.hidden,
-                                                                    out.aux_hidden)):
+                                                                    out.features)):
             if piece.logits != "none":
                 logits[index].append(rows)
                 if out.argmax is not None:
@@ -65,5 +65,5 @@ def forward_chunked(runner: ModelRunner, batch: list[SeqForward], limit: int | N
     cat = lambda parts: torch.cat(parts) if parts else None  # noqa: E731
     empty = torch.empty(0, runner.model_config.vocab_size, device=runner.device)
     return ForwardOutput(logits=[cat(parts) if parts else empty for parts in logits],
-                         hidden=[cat(parts) for parts in hidden], aux_hidden=[cat(parts) for parts in aux],
+                         hidden=[cat(parts) for parts in hidden], features=[cat(parts) for parts in aux],
                          argmax=argmax if outputs != "logits" else None)

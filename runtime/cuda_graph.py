@@ -47,15 +47,15 @@ def bucket_for(num_seqs: int, sizes: list[int]) -> int | None:
 
 class GraphOutputs:
     """The static outputs of one captured graph, valid until the next replay: the final hidden states, the logits
-    and greedy tokens of every row (lm_head and argmax run inside the graph), and the aux hidden states when the
-    graph was captured with capture layers."""
+    and greedy tokens of every row (lm_head and argmax run inside the graph), and the captured layers' states (the
+    target features of EAGLE-3 drafts) when the graph was captured with capture layers."""
 
-    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor, aux: torch.Tensor | None,
+    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor, argmax: torch.Tensor, features: torch.Tensor | None,
                  tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         self.hidden = hidden  # (padded N, H)
         self.logits = logits  # (padded N, vocab) float32
         self.argmax = argmax  # (padded N,) int64
-        self.aux = aux  # (padded N, len(capture_layers) * H) or None
+        self.features = features  # (padded N, len(capture_layers) * H) or None: the target features (EAGLE-3)
         # Wide graphs: greedy tree verification of every sequence whose tokens open a fresh tree region (root =
         # region node 0): kernels.verify_greedy's (accept_index (B, T), emitted (B, T), accept_lens (B,)) int32.
         self.tree = tree
@@ -147,7 +147,7 @@ class CudaGraphRunner:
         if query_len > 1 and self._verify_tree is not None:
             shape = (num_seqs, query_len)
             tree = self._verify_tree(ids.view(shape), self.inputs[4, :num_tokens].view(shape), argmax.view(shape))
-        return GraphOutputs(out.hidden, logits, argmax, out.aux_hidden, tree)
+        return GraphOutputs(out.hidden, logits, argmax, out.features, tree)
 
     def _capture_one(self, num_seqs: int, query_len: int) -> None:
         from runtime.models.llama import graph_capture_mode

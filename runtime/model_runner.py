@@ -41,7 +41,7 @@ class ForwardOutput:
     logits: list[torch.Tensor]  # per SeqForward: (num_logit_rows, vocab) float32
     hidden: list[torch.Tensor | None]  # per SeqForward: (num_logit_rows, H) when capture_hidden, else None
     # per SeqForward, only when forward(capture_layers=...): (T, len(capture_layers) * H), all T tokens
-    aux_hidden: list[torch.Tensor | None] = field(default_factory=list)
+    features: list[torch.Tensor | None] = field(default_factory=list)
     # per SeqForward, only when forward(outputs="argmax" | "both"): the argmax token of each logits row, read back
     # to the host in one copy for the whole batch (inside a CUDA graph the argmax is part of the graph)
     argmax: list[list[int]] | None = None
@@ -347,7 +347,7 @@ class ModelRunner:
             raise OutOfDeviceMemory(
                 f"a forward of {len(batch)} sequences / {num_tokens} tokens does not fit in device memory; lower "
                 f"--mem-fraction-static, the batch or the tree size ({exc})") from None
-        result = ForwardOutput(logits=[], hidden=[], aux_hidden=[])
+        result = ForwardOutput(logits=[], hidden=[], features=[])
         host_argmax = None
         if argmax is not None and tree is not None:  # the one readback of a greedy step: argmax + tree walks
             b, width = len(batch), tree[0].shape[1]
@@ -374,7 +374,7 @@ class ModelRunner:
                 result.argmax.append(host_argmax[row : row + n])
             result.hidden.append(rows_hidden[row : row + n] if sf.capture_hidden else None)
             tokens = slice(seq.query_start, seq.query_start + seq.query_len)
-            result.aux_hidden.append(aux[tokens] if aux is not None else None)
+            result.features.append(aux[tokens] if aux is not None else None)
             row += n
         # Commit state only after the forward succeeded.
         for sf in batch:
@@ -407,7 +407,7 @@ class ModelRunner:
         if graph_key is not None:
             g = gr.replay(graph_key, fb, extra.get("input_features"))  # static outputs, overwritten by the next replay
             n = sum(seq.query_len for seq in fb.seqs)  # real rows; padding follows
-            aux = g.aux[:n].clone() if capture_layers and g.aux is not None else None
+            aux = g.features[:n].clone() if capture_layers and g.features is not None else None
             rows_hidden = g.hidden[rows]  # (num_logit_rows, H): gathers copy
             logits = g.logits[rows] if want_logits and rows.shape[0] else None
             argmax = g.argmax[rows] if want_argmax else None
@@ -420,7 +420,7 @@ class ModelRunner:
         argmax = None
         if want_argmax:
             argmax = all_logits.argmax(dim=-1) if all_logits is not None else rows.new_empty(0)
-        return fb, new_regions, out.aux_hidden, rows_hidden, all_logits if want_logits else None, argmax, None
+        return fb, new_regions, out.features, rows_hidden, all_logits if want_logits else None, argmax, None
 
     def _copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy-on-write of a shared cached block a truncation cut into: its first n slots into the private block."""

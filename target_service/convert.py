@@ -100,7 +100,7 @@ def prefill_inputs(request: pb.TargetPrefillRequest, limits: Limits | None = Non
             raise ValueError(f"token id {max(s.token_ids)} outside the vocabulary ({vocab})")
         return PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
                             sampling=sampling_from_pb(s.sampling, vocab), stop=stop_from_pb(s.stop),
-                            return_features=s.return_hidden, logprobs=logprobs_from_pb(s))
+                            return_features=s.return_features, logprobs=logprobs_from_pb(s))
 
     return _per_seq(request.seqs, one)
 
@@ -116,7 +116,7 @@ def verify_inputs(request: pb.VerifyRequest, limits: Limits | None = None) -> li
             raise ValueError(f"root token id {s.root_token_id} outside the vocabulary ({vocab})")
         return VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
                            tree=tree_from_pb(s.tree, limits), sampling=sampling_from_pb(s.sampling, vocab),
-                           stop=stop_from_pb(s.stop), return_features=s.return_hidden,
+                           stop=stop_from_pb(s.stop), return_features=s.return_features,
                            num_decode_steps=max(1, s.num_decode_steps), logprobs=logprobs_from_pb(s))
 
     return _per_seq(request.seqs, one)
@@ -139,7 +139,7 @@ def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
                                  finish_reason=FINISH_TO_PB[out.finish], error=out.error, logprobs=_logprobs_pb(out),
                                  num_cached_tokens=out.num_cached_tokens)
     if out.features is not None:
-        msg.hidden.CopyFrom(tensor_to_pb(out.features))
+        msg.features.CopyFrom(tensor_to_pb(out.features))
     return msg
 
 
@@ -149,7 +149,7 @@ def verify_result(out: StepOutput) -> pb.VerifyResult:
                           finish_reason=FINISH_TO_PB[out.finish], error=out.error, num_steps=out.num_steps,
                           logprobs=_logprobs_pb(out))
     if out.features is not None:
-        msg.hidden.CopyFrom(tensor_to_pb(out.features))
+        msg.features.CopyFrom(tensor_to_pb(out.features))
     return msg
 
 

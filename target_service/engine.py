@@ -413,7 +413,7 @@ class TargetEngine:
                 self.release([f.seq_id])
             return [None] * len(forwards), [None] * len(forwards)
         self.last_forward_ms = (time.perf_counter() - start) * 1e3
-        feats = list(result.aux_hidden) if capture else [None] * len(forwards)
+        feats = list(result.features) if capture else [None] * len(forwards)
         if capture and self._final_norm:
             feats = [self.runner.model.norm(f) if f is not None else None for f in feats]
         if not greedy:

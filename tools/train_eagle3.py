@@ -217,7 +217,7 @@ def collect_examples(target_path: str, sequences: list[list[int]], capture: list
         out = runner.forward([SeqForward(str(i), list(seq), logits="all")], capture_layers=capture)
         runner.free_seq(str(i))
         # Outside inference mode, so autograd may save them.
-        examples.append(_Example(torch.tensor(seq), out.aux_hidden[0].clone(), out.logits[0].argmax(-1).clone()))
+        examples.append(_Example(torch.tensor(seq), out.features[0].clone(), out.logits[0].argmax(-1).clone()))
     return examples
 
 

@@ -88,7 +88,8 @@ def _k(name: str) -> ModuleType:
 @dataclass
 class ModelOutput:
     hidden: torch.Tensor  # (N, H): final-norm hidden states
-    aux_hidden: torch.Tensor | None = None  # (N, len(capture_layers) * H): residual stream at those layers' inputs
+    # (N, len(capture_layers) * H): residual stream at those layers' inputs (the target features of EAGLE-3 drafts)
+    features: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -287,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         if capture_layers:
             by_layer = dict(zip(sorted(capture), captured))
             aux = torch.cat([by_layer[i] for i in capture_layers], dim=-1)  # (N, len(capture_layers) * H)
-        return ModelOutput(hidden=hidden, aux_hidden=aux)
+        return ModelOutput(hidden=hidden, features=aux)
 
     def _layers_fused(self, h, cos, sin, backend, kv_pool, capture: set[int], captured: list) -> torch.Tensor:
         """The decoder stack with each residual add fused into the next RMSNorm; appends the residual stream at the

@@ -104,7 +104,7 @@ class StaticVerifyStep(StaticStep):
         result = torch.cat([emitted, accept_index, lens.unsqueeze(1)], dim=1)  # (b, 2W + 1) int64
         parts = [result.view(torch.uint8).reshape(-1)]
         if self.capture_layers:
-            feats = out.aux_hidden
+            feats = out.features
             if self.final_norm:
                 feats = model.norm(feats)
             rows = (torch.arange(b, device=dev).unsqueeze(1) * w + accept_index.clamp(min=0)).reshape(-1)

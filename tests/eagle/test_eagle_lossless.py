@@ -40,7 +40,7 @@ def speculative_greedy(target: ModelRunner, proposer: EagleProposer, prompt: lis
     capture = proposer.target_capture_layers  # None = EAGLE: the target's final-norm hidden state
 
     def features(out, i: int = 0) -> torch.Tensor:  # (T, F): one row per token of the forward
-        return out.aux_hidden[i] if capture is not None else out.hidden[i]
+        return out.features[i] if capture is not None else out.hidden[i]
 
     target.add_seq(seq_id)
     out = target.forward([SeqForward(seq_id, prompt, logits="all", capture_hidden=capture is None)],

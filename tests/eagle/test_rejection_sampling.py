@@ -38,7 +38,7 @@ def test_draft_samples_each_chain_token_from_the_q_it_returns(target_path, head)
     prompt = [5, 17, 42, 9, 100, 7]
     target.add_seq("t")
     out = target.forward([SeqForward("t", prompt, logits="none")], capture_layers=proposer.target_capture_layers)
-    features = out.aux_hidden[0][:-1]  # row i = the feature of prompt[i]; the last token is the pending root
+    features = out.features[0][:-1]  # row i = the feature of prompt[i]; the last token is the pending root
     sampling = [SamplingParams(temperature=1.3, top_k=12, seed=i) for i in range(NUM_SEQS)]
     for i in range(NUM_SEQS):
         assert proposer.prefill(f"s{i}", prompt, features) == Status.OK

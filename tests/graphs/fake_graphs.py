@@ -14,7 +14,7 @@ class _FakeGraph:
 
     def replay(self) -> None:
         new = self.run()
-        for name in ("hidden", "logits", "argmax", "aux"):
+        for name in ("hidden", "logits", "argmax", "features"):
             static = getattr(self.outputs, name)
             if static is not None:
                 static.copy_(getattr(new, name))

@@ -69,7 +69,7 @@ def test_fused_path_matches_torch_path_fp32(family, tiny_path, device, monkeypat
                   [SeqForward("a", [5]), SeqForward("b", [7])],  # decode
                   [SeqForward("a", _tokens(5, 3), parents=[-1, 0, 0, 1, 2], logits="all")]):  # tree verify
         want, got = pair.forward(batch, capture_layers=[0, 2, 3])  # 3 = after the last layer, before the norm
-        for w, g in zip(want.logits + want.aux_hidden, got.logits + got.aux_hidden):
+        for w, g in zip(want.logits + want.features, got.logits + got.features):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert set(used) == {"norm", "rope", "activation"}, "the forced run went through all three kernel modules"
 

@@ -58,7 +58,7 @@ def test_forward_chunked_equals_one_forward(llama, mode):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
     for a, b in zip(one.hidden, chunked.hidden):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
-    for a, b in zip(one.aux_hidden, chunked.aux_hidden):
+    for a, b in zip(one.features, chunked.features):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
 
 

@@ -27,9 +27,9 @@ def test_capture_hidden_and_aux_layers_match_hf_hidden_states(tiny_model):
         ref = hf(torch.tensor([IDS]), output_hidden_states=True).hidden_states  # L+1 entries, last one normed
     torch.testing.assert_close(out.hidden[0], ref[-1][0], atol=1e-4, rtol=0)
     h = runner.model_config.hidden_size
-    assert out.aux_hidden[0].shape == (len(IDS), 2 * h)
-    torch.testing.assert_close(out.aux_hidden[0][:, :h], ref[2][0], atol=1e-4, rtol=0)  # input of layer 2
-    torch.testing.assert_close(out.aux_hidden[0][:, h:], ref[0][0], atol=1e-4, rtol=0)  # embeddings
+    assert out.features[0].shape == (len(IDS), 2 * h)
+    torch.testing.assert_close(out.features[0][:, :h], ref[2][0], atol=1e-4, rtol=0)  # input of layer 2
+    torch.testing.assert_close(out.features[0][:, h:], ref[0][0], atol=1e-4, rtol=0)  # embeddings
 
 
 def test_logits_modes_give_the_right_rows(runner):

@@ -138,13 +138,13 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetPrefillSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_hidden", "return_logprobs", "top_logprobs")
+    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_features", "return_logprobs", "top_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
-    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
@@ -152,10 +152,10 @@ class TargetPrefillSeq(_message.Message):
     sample_next_token: bool
     sampling: SamplingParams
     stop: StopParams
-    return_hidden: bool
+    return_features: bool
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class TargetPrefillRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -164,12 +164,12 @@ class TargetPrefillRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[TargetPrefillSeq, _Mapping]]] = ...) -> None: ...
 
 class TargetPrefillResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "hidden", "error", "logprobs", "num_cached_tokens")
+    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "features", "error", "logprobs", "num_cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -177,11 +177,11 @@ class TargetPrefillResult(_message.Message):
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
-    hidden: Tensor
+    features: Tensor
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     num_cached_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -204,14 +204,14 @@ class TargetPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TargetPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class VerifySeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_hidden", "num_decode_steps", "return_logprobs", "top_logprobs")
+    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_features", "num_decode_steps", "return_logprobs", "top_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
-    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -221,11 +221,11 @@ class VerifySeq(_message.Message):
     tree: DraftTree
     sampling: SamplingParams
     stop: StopParams
-    return_hidden: bool
+    return_features: bool
     num_decode_steps: int
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_hidden: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -234,14 +234,14 @@ class VerifyRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "hidden", "error", "num_steps", "logprobs")
+    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "features", "error", "num_steps", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -251,11 +251,11 @@ class VerifyResult(_message.Message):
     num_accepted_drafts: int
     num_draft_tokens: int
     finish_reason: FinishReason
-    hidden: Tensor
+    features: Tensor
     error: str
     num_steps: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")
@@ -292,14 +292,14 @@ class SpecParams(_message.Message):
     def __init__(self, num_steps: _Optional[int] = ..., topk: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftPrefillSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "hidden")
+    __slots__ = ("seq_id", "token_ids", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    hidden: Tensor
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    features: Tensor
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DraftPrefillRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -328,22 +328,22 @@ class DraftPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DraftPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class ProposeSeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "hidden", "spec", "append_guess", "sampling")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "features", "spec", "append_guess", "sampling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     APPEND_GUESS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    hidden: Tensor
+    features: Tensor
     spec: SpecParams
     append_guess: bool
     sampling: SamplingParams
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., append_guess: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., append_guess: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("seqs",)
