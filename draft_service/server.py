@@ -14,6 +14,7 @@ import time
 from draft_service import convert
 from draft_service.proposer import ProposeInput, ProposeOutput, Proposer, Status
 from protos import leases
+from protos.errors import ErrorInterceptor
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
@@ -121,7 +122,8 @@ async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int,
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port,
-        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
+        interceptors=[*([metrics.interceptor()] if metrics is not None else ()), ErrorInterceptor()],
+        credentials=credentials,
         service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
     server.idle_sweeper = asyncio.create_task(  # ends with the event loop

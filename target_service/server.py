@@ -14,6 +14,7 @@ import logging
 import time
 
 from protos import leases
+from protos.errors import ErrorInterceptor
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
 from protos.step_stream import serve_step_stream
@@ -123,7 +124,8 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
     server, bound, _ = await start_server(
         lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
         [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,
-        interceptors=[metrics.interceptor()] if metrics is not None else (), credentials=credentials,
+        interceptors=[*([metrics.interceptor()] if metrics is not None else ()), ErrorInterceptor()],
+        credentials=credentials,
         service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
     server.idle_sweeper = asyncio.create_task(  # ends with the event loop
