@@ -118,3 +118,69 @@ def test_the_draft_service_builds_the_mtp_head_from_the_target_path(mtp_target):
                                      "--device", "cpu"])
     prepare(target_args, parser)
     assert _feature_capture(target_args, ModelRunner(mtp_target, CPU)) == {"final_norm_features": True}
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_mtp_training_unroll_is_the_served_layer_math(tmp_path):
+    """tools/train_eagle3.MTPTrainHead's step 0 equals the served MTP layer (runtime/models/mtp.py, through a
+    ModelRunner) on the checkpoint save_mtp wrote into the target: what is trained is what NEXTN serves."""
+    import shutil
+
+    from tools.train_eagle3 import MTPTrainHead, TrainConfig, save_mtp
+
+    target = str(tmp_path / "target")
+    shutil.copytree(make_tiny_model("llama", tmp_path / "src"), target)
+    tcfg = ModelConfig.from_pretrained(target)
+    hf = load_hf_model(target)
+    torch.manual_seed(0)
+    model = MTPTrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size,
+                         tcfg.rms_norm_eps, tcfg.rope_theta, hf.lm_head.weight.detach().float())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_mtp(model, target, tcfg, TrainConfig())
+    served, kv_config = build_mtp_head(target, ModelConfig.from_pretrained(target), CPU)
+    runner = ModelRunner(None, CPU, kv_config, model=served)
+    tokens = torch.tensor([[5, 17, 200, 33, 9, 250, 41, 7]])
+    t = tokens.shape[1] - 1
+    feats = torch.randn(1, t, tcfg.hidden_size)
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings().weight[tokens[:, 1:]]  # t_1..
+        [trained] = model.unrolled_hidden(embeds, feats, 1)
+    runner.add_seq("s")
+    out = runner.forward([SeqForward("s", tokens[0, 1:].tolist(), logits="all", capture_hidden=True,
+                                     input_features=feats[0])])
+    torch.testing.assert_close(out.hidden[0], trained[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.logits[0], model.logits(trained[0]), atol=1e-4, rtol=1e-4)
+    # the target itself still loads (and equals HF): the MTP layer is the draft's
+    ModelRunner(target, CPU)
+
+
+def test_train_draft_kind_mtp_appends_a_layer_that_nextn_serves(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from draft_service.eagle import EagleProposer
+    from draft_service.proposer import ProposeInput, SpecShape, Status
+    from tools.lm_data import train_tokenizer
+    from tools.train_draft import main
+
+    target = tmp_path / "target"
+    shutil.copytree(make_tiny_model("llama", tmp_path / "src"), target)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 10)
+    train_tokenizer([corpus.read_text()], 320, target)  # the tiny target's vocabulary is 320
+    before = json.loads((target / "config.json").read_text())
+    main(["--kind", "mtp", "--target-model-path", str(target), "--corpus", str(corpus), "--output-dir", str(target),
+          "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--device", "cpu"])
+    after = json.loads((target / "config.json").read_text())
+    assert after["num_nextn_predict_layers"] == 1 and after["num_hidden_layers"] == before["num_hidden_layers"]
+    assert json.loads((target / "mtp_training_info.json").read_text())["kind"] == "mtp"
+    proposer = EagleProposer(str(target), str(target), CPU, algorithm="NEXTN")
+    assert type(proposer.model).__name__ == "MTPHead"
+    committed = [3, 77, 150, 8, 299, 61]
+    feats = torch.randn(len(committed), proposer.feature_size, generator=torch.Generator().manual_seed(0))
+    assert proposer.prefill("s", committed, feats[:-1]) == Status.OK
+    [out] = proposer.propose([ProposeInput("s", len(committed), [], SpecShape(3, 1, 4), feats[:0])])
+    assert out.status == Status.OK and out.tree.parents == [-1, 0, 1]

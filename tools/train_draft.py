@@ -101,7 +101,9 @@ def machine(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle"], required=True, help="what to train")
+    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp"], required=True,
+                   help="what to train (mtp: one MTP layer appended to the target checkpoint itself, --output-dir "
+                        "must be the target's folder)")
     p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
     p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
     p.add_argument("--output-dir", required=True, help="where the draft folder is written")
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         add_legacy_config_keys(out)
         tokenizer.save_pretrained(out)
     else:
-        from tools.train_eagle3 import TrainConfig, train_eagle3_online, train_eagle_online
+        from tools.train_eagle3 import TrainConfig, train_eagle3_online, train_eagle_online, train_mtp_online
 
         target = AutoModelForCausalLM.from_pretrained(args.target_model_path, dtype=torch.float32).to(device)
         cfg = TrainConfig(steps=args.steps or 10**9, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -169,13 +171,15 @@ def main(argv: list[str] | None = None) -> None:
                           intermediate_size=args.head_intermediate_size, feature_loss_weight=args.feature_loss_weight,
                           time_budget_s=args.minutes * 60, bf16_autocast=bf16, log_every=20, progress_bar=True,
                           save_dtype=args.save_dtype, seed=args.seed, device=device)
-        train = train_eagle3_online if args.kind == "eagle3" else train_eagle_online
+        train = {"eagle3": train_eagle3_online, "eagle": train_eagle_online, "mtp": train_mtp_online}[args.kind]
         info = train(target, stream, str(out), cfg, args.kind)
     info = dict(kind=args.kind, target=str(args.target_model_path), corpus=str(args.corpus),
                 corpus_tokens=stream.numel(), tokens_seen=info["steps"] * args.batch_size * args.seq_len,
                 device=device, machine=machine(device), training=info, total_wall_time_s=time.time() - start,
                 command="python -m tools.train_draft " + " ".join(sys.argv[1:] if argv is None else argv))
-    (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    # An MTP layer is written into the target's own folder: its training_info.json stays the target's.
+    (out / ("mtp_training_info.json" if args.kind == "mtp" else "training_info.json")).write_text(
+        json.dumps(info, indent=2) + "\n")
     log(f"wrote {out}")
 
 

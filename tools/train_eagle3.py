@@ -164,6 +164,37 @@ class EagleTrainHead(nn.Module):
         return F.linear(hidden, self.lm_head_weight)
 
 
+class MTPTrainHead(EagleTrainHead):
+    """One MTP / NextN layer (runtime/models/mtp.py) as a batched full-sequence module: h = eh_proj(cat(enorm(embed(
+    t_{p+1})), hnorm(f_p))), one Llama decoder layer (with its input_layernorm), out = shared_head.norm(h); `out` feeds
+    the target's lm_head and is the next unroll step's feature. Same TTT unroll and loss as the EAGLE-2 head (the
+    target's features are its final-norm hidden states, like `out`). Saved into the target's checkpoint in
+    DeepSeek-V3's layout by `save_mtp` (training only)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 rope_theta: float, lm_head: torch.Tensor) -> None:
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, rope_theta, lm_head, 1)
+        del self.fc
+        self.enorm, self.hnorm = _RMSNorm(hidden, eps), _RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers[0].input_layernorm = _RMSNorm(hidden, eps)
+        self.shared_head_norm = _RMSNorm(hidden, eps)
+
+    def unrolled_hidden(self, embeds: torch.Tensor, feats: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        t = feats.shape[1]
+        f, out, keys, values = feats, [], [], []
+        layer = self.layers[0]
+        for j in range(num_steps):
+            h = self.eh_proj(torch.cat([self.enorm(embeds[:, j:j + t]), self.hnorm(f)], dim=-1))  # (B, T, H)
+            h = h + _ttt_attention(layer.self_attn, layer.input_layernorm(h), j, keys, values, self.nh, self.kvh,
+                                   self.hd, self.rope_theta)
+            y = layer.post_attention_layernorm(h)
+            h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
+            f = self.shared_head_norm(h)
+            out.append(f)
+        return out
+
+
 def _ttt_attention(attn: nn.Module, x: torch.Tensor, j: int, keys: list, values: list, nh: int, kvh: int, hd: int,
                    rope_theta: float) -> torch.Tensor:
     """Attention of unroll step j (x: (B, T, in) at base positions p, sitting at position p + j) for both head kinds:
@@ -266,6 +297,14 @@ def train_eagle3_online(target: nn.Module, stream: torch.Tensor, output_dir: str
     return _train_online("eagle3", target, stream, output_dir, config, name)
 
 
+def train_mtp_online(target: nn.Module, stream: torch.Tensor, output_dir: str, config: TrainConfig,
+                     name: str = "mtp") -> dict:
+    """One MTP / NextN layer for the target by the EAGLE-2 machinery (final-norm features, own output fed back);
+    `output_dir` is the target checkpoint folder: the layer is appended as model.layers.{num_hidden_layers}.* (its
+    own safetensors file, listed in the index) and config.json gets num_nextn_predict_layers (`save_mtp`)."""
+    return _train_online("mtp", target, stream, output_dir, config, name)
+
+
 def train_eagle_online(target: nn.Module, stream: torch.Tensor, output_dir: str, config: TrainConfig,
                        name: str = "eagle") -> dict:
     """The EAGLE-2 head (`LlamaForCausalLMEagle`) by the same online machinery: features are the target's final-norm
@@ -298,6 +337,11 @@ def _train_online(kind: str, target: nn.Module, stream: torch.Tensor, output_dir
         model, loss_fn = build_head(tcfg, hot.numel(), config), ttt_loss
         with torch.no_grad():
             model.lm_head.weight.copy_(head[hot.to(head.device)])
+    elif kind == "mtp":
+        model = MTPTrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim,
+                             config.intermediate_size or tcfg.intermediate_size, tcfg.rms_norm_eps, tcfg.rope_theta,
+                             head[hot.to(head.device)]).to(config.device)
+        loss_fn = eagle_ttt_loss
     else:
         model, loss_fn = build_eagle_head(tcfg, head[hot.to(head.device)], config), eagle_ttt_loss
     from tools.lm_train import StreamSampler
@@ -318,6 +362,8 @@ def _train_online(kind: str, target: nn.Module, stream: torch.Tensor, output_dir
     stats = _train_loop(model, embed, to_draft.to(device), next_batch, config, name, loss_fn)
     if kind == "eagle3":
         save_eagle3(model, output_dir, tcfg, hot, config)
+    elif kind == "mtp":
+        save_mtp(model, output_dir, tcfg, config)
     else:
         save_eagle(model, output_dir, tcfg, config)
     return stats
@@ -483,6 +529,40 @@ def save_eagle(model: EagleTrainHead, output_dir: str, tcfg, config: TrainConfig
                      if k not in ("device", "log_every", "progress_bar", "aux_layer_ids")},
     }
     with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def save_mtp(model: MTPTrainHead, target_dir: str, tcfg, config: TrainConfig) -> None:
+    """Append the layer to the target checkpoint in DeepSeek-V3's MTP layout: model.layers.{L}.{enorm, hnorm, eh_proj,
+    input_layernorm, self_attn.*, post_attention_layernorm, mlp.*, shared_head.norm} in mtp.safetensors (listed in
+    model.safetensors.index.json when the checkpoint is sharded), num_nextn_predict_layers = 1 in config.json."""
+    from safetensors.torch import save_file
+
+    if (config.intermediate_size or tcfg.intermediate_size) != tcfg.intermediate_size:
+        raise ValueError("an MTP layer is a decoder layer of the target's shape: no other intermediate_size")
+    dtype = getattr(torch, config.save_dtype)
+    prefix = f"model.layers.{tcfg.num_layers}."
+    names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "shared_head_norm.weight": "shared_head.norm.weight"}
+    tensors = {}
+    for key, value in model.state_dict().items():
+        ours = names.get(key) or (key.removeprefix("layers.0.") if key.startswith("layers.0.") else None)
+        if ours is not None:
+            tensors[prefix + ours] = value.detach().to("cpu", dtype).contiguous()
+    save_file(tensors, os.path.join(target_dir, "mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != "mtp.safetensors"}
+        index["weight_map"].update({name: "mtp.safetensors" for name in tensors})
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2)
+    config_path = os.path.join(target_dir, "config.json")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(config_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
 
