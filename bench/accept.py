@@ -49,6 +49,11 @@ CONFIGS = {
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
     "EAGLE-tree": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "5",
                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
+    # NEXTN drafts with the target's own MTP layers when --model-path has them (else the bundled EAGLE-2 head).
+    "NEXTN-chain": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
+    "NEXTN-tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+                   "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
 }
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())

@@ -2,7 +2,7 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: step_tests overlap adaptive step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap adaptive mtp step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -83,6 +83,16 @@ for s in $STAGES; do
       timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive \
         --batch-sizes 1 8 32 64 --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1
       cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log" ;;
+    mtp)  # one MTP layer for the demo target (a copy), trained here, then NEXTN through tandem serve vs plain decoding
+      rm -rf /tmp/demo-mtp && cp -r $M /tmp/demo-mtp
+      timeout 360 python3 -m tools.train_draft --kind mtp --target-model-path $M --corpus /usr/lib/python3.12 \
+        --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-mtp --minutes 5 --device cuda --batch-size 64 \
+        --seq-len 512 > "$R/mtp_train.log" 2>&1
+      tail -3 "$R/mtp_train.log"; cp /tmp/demo-mtp/mtp.safetensors /tmp/demo-mtp/mtp_training_info.json "$R/" 2>/dev/null
+      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR NEXTN-chain NEXTN-tree \
+        --out "$R/accept_mtp.json" -- --device cuda --model-path /tmp/demo-mtp --cuda-graph-max-bs 8 \
+        > "$R/accept_mtp.log" 2>&1
+      tail -6 "$R/accept_mtp.log" ;;
     flashinfer)
       timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
         > "$R/flashinfer.log" 2>&1
