@@ -20,23 +20,26 @@ from torch import nn
 from runtime.attention import AttentionBackend
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_pool import KVPool
-from runtime.models.eagle import _FUSED, _copy, _safetensors_entries, load_target_embedding_and_head, materialize
+from runtime.models.eagle import _copy, load_draft_weights, load_target_embedding_and_head, materialize
 from runtime.models.llama import DecoderLayer, ModelOutput, RMSNorm, RotaryEmbedding
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(DecoderLayer):
+    """One MTP layer: its decoder layer (the published names: input_layernorm, self_attn, mlp,
+    post_attention_layernorm) plus enorm, hnorm, eh_proj and shared_head.norm."""
+
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
-        super().__init__()
+        super().__init__(config, layer_id)  # KV layer `layer_id` of the draft's pool
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.decoder = DecoderLayer(config, layer_id)  # KV layer `layer_id` of the draft's pool
-        self.final_norm = RMSNorm(h, config.rms_norm_eps)  # shared_head.norm
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, config.rms_norm_eps)
 
     def forward(self, e, feature, cos, sin, backend, kv_pool) -> torch.Tensor:
         h = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(feature.to(e.dtype))], dim=-1))
-        return self.final_norm(self.decoder(h, cos, sin, backend, kv_pool))
+        return self.shared_head.norm(super().forward(h, cos, sin, backend, kv_pool))
 
 
 class MTPHead(nn.Module):
@@ -103,59 +106,20 @@ def build_mtp_head(target_path: str, target_config: ModelConfig, engine_config: 
         raise ValueError(f"{target_path} has {available} MTP layer(s); {num_layers} asked")
     config = mtp_config(target_config, num_layers)
     model = materialize(lambda: MTPHead(config, num_layers), config, engine_config)
-    params = dict(model.named_parameters())
     first = target_config.num_layers
-    loaded: set[str] = set()
-    fused: dict[str, dict[int, torch.Tensor]] = {}
+
+    def rename(name: str) -> str | None:  # "layers.{first + i}.*" of the wanted layers -> "layers.{i}.*"
+        prefix, _, rest = name.partition(".")
+        index, _, inner = rest.partition(".")
+        if prefix != "layers" or not index.isdigit() or not first <= int(index) < first + num_layers:
+            return None
+        if inner.startswith(("embed_tokens.", "shared_head.head.")):
+            return None  # DeepSeek-style per-layer copies of the shared embedding / lm_head: the target's are used
+        return f"layers.{int(index) - first}.{inner}"
+
+    load_draft_weights(model, target_path, rename)
+    embed, head = load_target_embedding_and_head(target_path, target_config)
     with torch.no_grad():
-        for hf_name, get in _safetensors_entries(target_path):
-            name = _mtp_name(hf_name, first, num_layers)
-            if name is None:
-                continue
-            if isinstance(name, tuple):
-                fused.setdefault(name[0], {})[name[1]] = get()
-                continue
-            if name not in params:
-                raise ValueError(f"MTP tensor {hf_name!r} of {target_path} has no place in the MTP head")
-            _copy(params[name], get(), hf_name)
-            loaded.add(name)
-        for name, parts in fused.items():
-            num_shards = 3 if "qkv_proj" in name else 2
-            if sorted(parts) != list(range(num_shards)) or name not in params:
-                raise ValueError(f"MTP checkpoint lacks parts of {name!r} (has shards {sorted(parts)})")
-            _copy(params[name], torch.cat([parts[i] for i in range(num_shards)], dim=0), name)
-            loaded.add(name)
-        embed, head = load_target_embedding_and_head(target_path, target_config)
         _copy(model.embed_tokens.weight, embed, "target embed_tokens")
         _copy(model.lm_head.weight, head, "target lm_head")
-    missing = sorted(set(params) - loaded - {"embed_tokens.weight", "lm_head.weight"})
-    if missing:
-        raise ValueError(f"{target_path} lacks {len(missing)} MTP tensors, e.g. {missing[:5]}")
     return model.eval(), config
-
-
-_MTP_OWN = {"enorm", "hnorm", "eh_proj", "shared_head.norm"}
-
-
-def _mtp_name(hf_name: str, first: int, num_layers: int) -> str | tuple[str, int] | None:
-    """Published MTP tensor name -> our parameter name (or (fused name, shard)); None = not one of the wanted
-    layers. DeepSeek-style checkpoints may also repeat embed_tokens / shared_head.head per layer: the target's are
-    used instead."""
-    if not hf_name.startswith("model.layers."):
-        return None
-    rest = hf_name.removeprefix("model.layers.")
-    index, _, inner = rest.partition(".")
-    if not index.isdigit() or not first <= int(index) < first + num_layers:
-        return None
-    i = int(index) - first
-    module, _, kind = inner.rpartition(".")
-    if module in ("embed_tokens", "shared_head.head"):
-        return None
-    if module == "shared_head.norm":
-        return f"layers.{i}.final_norm.{kind}"
-    if module in _MTP_OWN:
-        return f"layers.{i}.{module}.{kind}"
-    if module in _FUSED:
-        target, shard = _FUSED[module]
-        return (f"layers.{i}.decoder.{target}.{kind}", shard)
-    return f"layers.{i}.decoder.{module}.{kind}"
