@@ -134,8 +134,8 @@ def _features_to_pb(rows: FeatureRows | None) -> pb.Tensor | None:
 
 
 def _stop(s: StopRule) -> pb.StopParams:
-    return pb.StopParams(max_new_tokens=s.max_new_tokens, stop_token_ids=sorted(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                         prompt_len=s.prompt_len)
+    return pb.StopParams(max_new_tokens=s.max_new_tokens, stop_token_ids=sorted(s.stop_token_ids),
+                         ignore_eos=s.ignore_eos, prompt_len=s.prompt_len)
 
 
 class _Client:

@@ -10,6 +10,7 @@ the sequences' draft bookkeeping (draft pod, draft_synced_len, predraft and its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ class SpecConfig:
     topk: int = 1
     num_draft_tokens: int = 1
 
-    @property
+    @functools.cached_property
     def entry(self) -> algorithms.SpeculativeAlgorithm:
+        """Looked up once: needs_features is read per sequence on every step."""
         return algorithms.get(self.algorithm)
 
     @property

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from core import algorithms
+from core.types import StopRule
 from gateway.adaptive import AdaptiveSpec
 from gateway.drafting import Drafting, SpecConfig
-from core.types import StopRule
 from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, TargetClient,
                              TargetPrefillItem, VerifyItem)
 from gateway.metrics import GatewayMetrics
@@ -118,7 +118,7 @@ class Scheduler:
         if (config.overlap_schedule != "off" and adaptive is None and not config.enable_overlap_drafting
                 and spec.entry.drafts and drafts):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
-        self._pending: dict[str, tuple[list[int], list[int]]] = {}  # ping-pong: trees drafted, not yet verified
+        self._pending: dict[str, tuple] = {}  # ping-pong: trees (as Drafting.propose gives them) not yet verified
         # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
         # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
         self._defer_delivery = spec.entry.drafts and bool(drafts)
@@ -437,7 +437,7 @@ class Scheduler:
         for seq in seqs:
             seq.deliver()
 
-    def _take_pending(self, seqs: list[Sequence]) -> dict[str, tuple[list[int], list[int]]]:
+    def _take_pending(self, seqs: list[Sequence]) -> dict[str, tuple]:
         """Trees drafted in an earlier ping-pong phase for these sequences (drafted from their committed tokens as
         they still are: nothing verifies a sequence while its tree is pending)."""
         if not self._pending:

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.types import FinishReason, StopRule
+from core.types import SeqStatus as Status
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from core.types import FinishReason, StopRule
-from core.types import SeqStatus as Status
 from runtime.sampling import SamplingParams
+from runtime.speculative.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import EXACT, AcceptThresholds
 from runtime.speculative.verify_step import VerifyItem
-from runtime.speculative.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
