@@ -21,6 +21,7 @@ from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
+from runtime.memory import accelerator_id
 
 logger = logging.getLogger(__name__)
 # A Propose whose draft must first run at most this many committed tokens (all sequences together) runs inline.
@@ -104,8 +105,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return await leases.free_idle(self.leases, self.worker, self.proposer.release)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
+        runner = getattr(self.proposer, "runner", None)
+        device = {} if runner is None else {"device": str(runner.device), "accelerator": accelerator_id(runner.device)}
         return pb.ModelInfo(model_path=self.model_path, algorithm=self.proposer.algorithm, memory=self._memory(),
-                            protocol=PROTOCOL, **self.info)
+                            protocol=PROTOCOL, **{**device, **self.info})
 
 
 async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,

@@ -119,6 +119,7 @@ class Scheduler:
                 and spec.entry.drafts and drafts):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
         self._pending: dict[str, tuple] = {}  # ping-pong: trees (as Drafting.propose gives them) not yet verified
+        self._last_step_end: tuple[int, float] = (-1, 0.0)  # (num_steps after it, perf_counter) of the last step
         # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
         # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
         self._defer_delivery = spec.entry.drafts and bool(drafts)
@@ -259,8 +260,10 @@ class Scheduler:
         if active:
             await self._step(active)
             self.num_steps += 1
-        elif any(s.no_target_since is not None for s in self._running):
-            await asyncio.sleep(0.05)  # sequences wait for a target pod: poll the pools, do not spin
+        else:
+            self._last_step_end = (-1, 0.0)  # the next step's iteration time starts afresh
+            if any(s.no_target_since is not None for s in self._running):
+                await asyncio.sleep(0.05)  # sequences wait for a target pod: poll the pools, do not spin
         self._reap()
 
     def _reap(self) -> None:
@@ -382,12 +385,16 @@ class Scheduler:
         # Steady iterations only: a sequence's first steps include the draft's catch-up over its prompt.
         steady = all(s.verify_steps >= 2 for s in seqs)
         before = sum(s.num_output for s in seqs)
+        # The choice weighs whole loop iterations (release, admission and the loop's own work included, since the
+        # end of the previous step when that was the last iteration): ping-pong runs twice the iterations per token.
+        since = self._last_step_end if self._last_step_end[0] == self.num_steps else (self.num_steps, start)
         verified = await self._pingpong_step(seqs) if mode == PINGPONG else await self._sequential_step(seqs)
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        self._last_step_end = (self.num_steps + 1, end)  # the loop counts this step next
         if verified is not False:
-            self.metrics.step_time.observe(seconds)
+            self.metrics.step_time.observe(end - start)
         if steady:
-            self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before, seconds)
+            self.overlap.observe(len(seqs), mode, sum(s.num_output for s in seqs) - before, end - since[1])
 
     async def _pingpong_step(self, seqs: list[Sequence]) -> bool:
         """One phase of the two ping-ponging halves (gateway/overlap.py): the half drafted last phase verifies on

@@ -8,6 +8,7 @@ caller (the ModelRunner keeps it as `memory_plan`), never written back into the 
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,15 @@ class OutOfDeviceMemory(OutOfKVBlocks):
         RuntimeError.__init__(self, message)
         self.num_needed = num_needed
         self.num_free = num_free
+
+
+def accelerator_id(device: torch.device | str) -> str:
+    """The physical device a service computes on, the same string in every process that uses it: "cuda:<GPU UUID>"
+    (CUDA_VISIBLE_DEVICES renumbers GPUs per process, the UUID does not) or "cpu@<host>"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+    return f"{device.type}@{socket.gethostname()}"
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="plain decode steps (no draft tree) the target runs back to back per Verify call, each fed "
                         "the token the last one emitted (fewer round trips per token; streamed in chunks of up to "
                         "this many tokens); 1..256. Default: 4 when nothing drafts (--speculative-algorithm NONE: "
-                        "bench/results/serve_decode_h200, 8B through the services 151.8 -> 180.5 tok/s), else 1")
+                        "bench/results/serve_decode_h200, 8B through the services 151.8 -> 180.5 tok/s) or with "
+                        "--speculative-adaptive (its draft-free tiers), else 1")
     g.add_argument("--disable-step-streams", action="store_true",
                    help="send every Verify/Propose step as a unary RPC instead of over one persistent bidirectional "
                         "stream per pod (streams are the default: about half the per-step RPC overhead)")

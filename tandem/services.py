@@ -58,11 +58,15 @@ AUTO_CONTINUOUS_DECODE_STEPS = 4  # bench/results/serve_decode_h200: 8B through 
 
 def continuous_decode_steps(args: argparse.Namespace) -> int:
     """--num-continuous-decode-steps, or its default: several plain decode steps per Verify call when nothing drafts
-    (each call is a round trip through the gateway), one when drafts need the step's outcome."""
+    (each call is a round trip through the gateway) and for the draft-free steps of --speculative-adaptive (its large
+    batch tiers decode plainly: with one step per call they fell to 0.85x plain decoding at batch 64,
+    bench/results/speculative_h200/adaptive), one when drafts need the step's outcome."""
     given = getattr(args, "num_continuous_decode_steps", None)
     if given is not None:
         return given
-    return 1 if algorithms.get(args.speculative_algorithm).drafts else AUTO_CONTINUOUS_DECODE_STEPS
+    if algorithms.get(args.speculative_algorithm).drafts and not getattr(args, "speculative_adaptive", False):
+        return 1
+    return AUTO_CONTINUOUS_DECODE_STEPS
 
 
 def _auto_mem_fraction(device: str) -> float:
@@ -290,6 +294,21 @@ async def _wait_for_pod(client, name: str, deadline_s: float):
             await asyncio.sleep(0.5)
 
 
+def _overlap_schedule(args: argparse.Namespace, target_infos, draft_infos) -> str:
+    """The gateway's ping-pong halves (gateway/overlap.py): measured per batch size ("auto") unless turned off, or
+    unless a draft pod computes on the same device as a target pod. One device runs one half at a time, so a phase
+    costs what a whole sequential step does and the split halves the throughput (H200, demo family, EAGLE3 4/2/8:
+    0.50x at batch 8, 0.52x at batch 32; bench/results/overlap_h200/NOTES.md)."""
+    if args.disable_overlap_schedule:
+        return "off"
+    shared = ({i.accelerator for i in target_infos} & {i.accelerator for i in draft_infos}) - {""}
+    if shared:
+        logger.info("overlap schedule: draft and target pods share %s: batches are not split into ping-pong halves",
+                    ", ".join(sorted(shared)))
+        return "off"
+    return "auto"
+
+
 async def run_gateway(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -312,7 +331,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
               for a in (await _resolve_all(draft_specs, args.startup_timeout) if draft_specs else [])]
     print(f"tandem gateway: waiting for {len(targets)} target and {len(drafts)} draft pod(s)", flush=True)
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
-    await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
+    draft_infos = await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
     info = infos[0]
     tokenizer = Tokenizer(args.tokenizer_path or path)
     served = list(args.served_model_name or [])
@@ -335,7 +354,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
         config = SchedulerConfig(args.max_running_requests, args.max_queued_requests, args.request_timeout,
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
-                                 overlap_schedule="off" if args.disable_overlap_schedule else "auto",
+                                 overlap_schedule=_overlap_schedule(args, infos, draft_infos),
                                  num_continuous_decode_steps=continuous_decode_steps(args), routing=routing,
                                  pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:

@@ -21,6 +21,7 @@ from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
+from runtime.memory import accelerator_id
 from target_service import convert
 from target_service.engine import TargetEngine
 
@@ -102,7 +103,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             model_path=self.model_path, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context_len=self.engine.max_context_len, eos_token_ids=list(cfg.eos_token_ids),
             memory=self._memory(), device=str(self.engine.device), dtype=str(self.engine.runner.dtype),
-            protocol=PROTOCOL, hidden_size=cfg.hidden_size)
+            protocol=PROTOCOL, hidden_size=cfg.hidden_size, accelerator=accelerator_id(self.engine.device))
 
 
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,

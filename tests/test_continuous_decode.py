@@ -109,10 +109,12 @@ def test_flag_reaches_the_gateway_only():
 
 @pytest.mark.parametrize("flags,want", [([], 4), (["--speculative-algorithm", "STANDALONE"], 1),
                                         (["--num-continuous-decode-steps", "1"], 1),
-                                        (["--speculative-algorithm", "NGRAM", "--num-continuous-decode-steps", "3"], 3)])
+                                        (["--speculative-algorithm", "NGRAM", "--num-continuous-decode-steps", "3"], 3),
+                                        (["--speculative-algorithm", "STANDALONE", "--speculative-adaptive"], 4)])
 def test_default_is_several_steps_per_call_only_when_nothing_drafts(flags, want):
     """Plain decoding through the gateway pays a round trip per Verify call: 4 steps per call by default
-    (bench/results/serve_decode_h200); a speculative loop needs each step's outcome for the next draft."""
+    (bench/results/serve_decode_h200); a speculative loop needs each step's outcome for the next draft, except the
+    draft-free steps of adaptive speculation (its large-batch tiers decode plainly)."""
     from tandem.cli import build_parser
     from tandem.services import continuous_decode_steps
 

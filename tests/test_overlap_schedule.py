@@ -71,12 +71,39 @@ def test_forced_mode_and_bad_settings():
         OverlapSchedule(force="both")
 
 
+def test_pods_on_one_device_never_split_the_batch():
+    """tandem serve's gateway keeps the sequential loop when a draft pod and a target pod report the same device
+    (the split halved throughput on one H200); pods on different devices, or a draft without a model, measure."""
+    from types import SimpleNamespace as Info
+
+    from tandem.services import _overlap_schedule
+
+    on, off = Info(disable_overlap_schedule=False), Info(disable_overlap_schedule=True)
+    gpu0, gpu1 = Info(accelerator="cuda:GPU-a"), Info(accelerator="cuda:GPU-b")
+    assert _overlap_schedule(on, [gpu0], [gpu0]) == "off"
+    assert _overlap_schedule(on, [gpu0, gpu1], [gpu1]) == "off"  # one shared pair is enough
+    assert _overlap_schedule(on, [gpu0], [gpu1]) == "auto"
+    assert _overlap_schedule(on, [Info(accelerator="")], [Info(accelerator="")]) == "auto"  # unknown: measure
+    assert _overlap_schedule(off, [gpu0], [gpu1]) == "off"
+
+
 # ---------------------------------------------------------------------------------------------- through the stack
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pingpong")
     target = make_tiny_model("llama", root / "target")
     return target, perturbed_copy(target, root / "draft", noise=0.03), load_hf_model(target), root
+
+
+async def test_pods_report_the_device_they_compute_on(pair):
+    import socket
+
+    target, draft, _, _ = pair
+    async with local_stack(target, algorithm="STANDALONE", draft_path=draft, num_steps=2, topk=1,
+                           num_draft_tokens=3) as scheduler:
+        infos = [await pod.info() for pod in [*scheduler.targets.live(), *scheduler.drafts.live()]]
+    assert [i.accelerator for i in infos] == [f"cpu@{socket.gethostname()}"] * 2
+    assert infos[1].device == "cpu"
 
 
 async def _concurrent(scheduler, all_prompts, max_new, **kw):

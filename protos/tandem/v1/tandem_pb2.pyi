@@ -108,7 +108,7 @@ class DraftTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_path", "architecture", "vocab_size", "max_context_len", "eos_token_ids", "algorithm", "memory", "device", "dtype", "protocol", "hidden_size")
+    __slots__ = ("model_path", "architecture", "vocab_size", "max_context_len", "eos_token_ids", "algorithm", "memory", "device", "dtype", "protocol", "hidden_size", "accelerator")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     architecture: str
     vocab_size: int
@@ -131,7 +132,8 @@ class ModelInfo(_message.Message):
     dtype: str
     protocol: str
     hidden_size: int
-    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., algorithm: _Optional[str] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    accelerator: str
+    def __init__(self, model_path: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., algorithm: _Optional[str] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., protocol: _Optional[str] = ..., hidden_size: _Optional[int] = ..., accelerator: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
