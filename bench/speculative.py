@@ -256,7 +256,12 @@ def _row(name: str, config: SpecConfig | None, bs: int, r: dict, tok_s: float, a
             "t_verify_ms": 1e3 * r["t_verify"] / max(steps, 1), "t_draft_ms": 1e3 * r["t_draft"] / max(steps, 1),
             "t_verify_forward_ms": 1e3 * r.get("t_verify_forward", 0.0) / max(steps, 1),
             "efficiency": tok_s / ideal if ideal else None, "target_steps": steps, "tokens": r["tokens"],
-            "wall_s": r["wall"], "oracle": stats}
+            "wall_s": r["wall"], "oracle": stats,
+            # services mode: where a step's wall goes (handlers = the services' RPC handlers, model time included;
+            # the rest is the transport and the gateway)
+            "wall_per_step_ms": 1e3 * r["wall"] / max(steps, 1),
+            "t_verify_rpc_ms": 1e3 * r.get("t_verify_rpc", 0.0) / max(steps, 1),
+            "t_draft_rpc_ms": 1e3 * r.get("t_draft_rpc", 0.0) / max(steps, 1)}
 
 
 # ---------------------------------------------------------------------------------------------------- output

@@ -32,15 +32,17 @@ from tandem.args import REPO_ROOT  # noqa: E402
 PROMPT_VOCAB = 2048  # ids every tokenizer the gateway may load accepts (as bench/serve_decode.py)
 
 
-def _metric(port: int, rpc: str) -> tuple[float, float]:
-    """(sum seconds, count) of tandem:forward_time_seconds for one RPC from a service's /metrics."""
+def _metric(port: int, rpc: str) -> tuple[float, float, float]:
+    """(model seconds, count) of tandem:forward_time_seconds and the handler wall seconds
+    (tandem:rpc_duration_seconds: decode, convert, leases, model, encode) for one RPC from a service's /metrics (a
+    step on the persistent stream counts under the unary name; the stream's own label times the whole stream)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     values = {}
-    for kind in ("sum", "count"):
-        m = re.search(rf'^tandem:forward_time_seconds_{kind}{{[^}}]*rpc="{rpc}"[^}}]*}} (\S+)$', text, re.M)
-        values[kind] = float(m.group(1)) if m else 0.0
-    return values["sum"], values["count"]
+    for name, kind in (("forward_time", "sum"), ("forward_time", "count"), ("rpc_duration", "sum")):
+        m = re.search(rf'^tandem:{name}_seconds_{kind}{{[^}}]*rpc="{rpc}"[^}}]*}} (\S+)$', text, re.M)
+        values[name, kind] = float(m.group(1)) if m else 0.0
+    return values["forward_time", "sum"], values["forward_time", "count"], values["rpc_duration", "sum"]
 
 
 def _generate(stub, prompt: list[int], max_new: int) -> dict:
@@ -205,7 +207,8 @@ def bench_services(args, configs) -> list[dict]:
                 print(f"[bs {bs}] {config.name}: tau {row['tau']:.2f} (expected {row['tau_expected']:.2f}), "
                       f"{row['tok_s']:,.1f} tok/s vs AR {ar_tok_s:,.1f} ({row['speedup']:.2f}x), verify "
                       f"{row['t_verify_ms']:.2f} ms + draft {row['t_draft_ms']:.2f} ms per step, efficiency "
-                      f"{row['efficiency']:.3f}", flush=True)
+                      f"{row['efficiency']:.3f}; per step: wall {row['wall_per_step_ms']:.2f} ms, handlers verify "
+                      f"{row['t_verify_rpc_ms']:.2f} + propose {row['t_draft_rpc_ms']:.2f} ms", flush=True)
         finally:
             stack.close()
     rows.sort(key=lambda r: (r["batch_size"], r["config"] != "AR"))
@@ -216,4 +219,5 @@ def _timings(before: dict, after: dict) -> dict:
     """Summed verify / propose model seconds and the number of Verify RPCs (steps) between two snapshots."""
     dv, dp = after["verify"][0] - before["verify"][0], after["propose"][0] - before["propose"][0]
     steps = int(after["verify"][1] - before["verify"][1])
-    return {"t_verify": dv, "t_draft": dp, "steps": steps}
+    return {"t_verify": dv, "t_draft": dp, "steps": steps, "t_verify_rpc": after["verify"][2] - before["verify"][2],
+            "t_draft_rpc": after["propose"][2] - before["propose"][2]}
