@@ -115,3 +115,111 @@ async def test_multi_layer_eagle_equals_hf_greedy_through_the_services(mtp_targe
             assert got == hf_greedy(hf, prompt, 14 + 3 * i), f"prompt {i} diverged from HF"
         assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
         await _assert_no_kv_leak(scheduler)
+
+
+# ---------------------------------------------------------------------------------------------- the flag's rules
+def _checkpoint(tmp_path, num_mtp_layers: int) -> str:
+    """A config-only copy of the bundled target (LlamaForCausalLM: SGLang's 5/4/8 tree default) with MTP layers."""
+    import json
+
+    from tandem.args import DEFAULT_MODEL
+
+    folder = tmp_path / f"mtp{num_mtp_layers}"
+    folder.mkdir()
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": num_mtp_layers}))
+    return str(folder)
+
+
+def _spec(args) -> tuple:
+    return (args.enable_multi_layer_eagle, args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens)
+
+
+def test_multi_layer_eagle_is_auto_on_for_several_mtp_layers_unless_said_otherwise(tmp_path):
+    from tests.test_sglang_compat import _prepare
+
+    two, one = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 1)
+    nextn = ("--speculative-algorithm", "NEXTN")
+    assert _spec(_prepare("--model-path", two, *nextn)) == (True, 2, 1, 3)  # unset triple: K/1/K+1
+    assert _spec(_prepare("--model-path", two, "--speculative-algorithm", "EAGLE")) == (True, 2, 1, 3)
+    chain = ("--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
+    assert _spec(_prepare("--model-path", two, *nextn, *chain)) == (True, 1, 1, 2)
+    # what says otherwise: a tree, a chain deeper than K, the flag's negative (then layer 0 runs autoregressively)
+    tree = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8")
+    assert _spec(_prepare("--model-path", two, *nextn, *tree)) == (False, 3, 4, 8)
+    deep = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+    assert _spec(_prepare("--model-path", two, *nextn, *deep)) == (False, 3, 1, 4)
+    assert _spec(_prepare("--model-path", two, *nextn, "--no-enable-multi-layer-eagle")) == (False, 5, 4, 8)
+    # one MTP layer: off unless asked
+    assert _spec(_prepare("--model-path", one, *nextn)) == (False, 5, 4, 8)
+    assert _spec(_prepare("--model-path", one, *nextn, "--enable-multi-layer-eagle")) == (True, 1, 1, 2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"),
+     "multi-layer EAGLE drafts a chain: speculative_num_draft_tokens must equal speculative_num_steps + 1, got "
+     "speculative_num_draft_tokens=5, speculative_num_steps=2"),
+    (("--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3"),
+     "multi-layer EAGLE drafts a chain: speculative_eagle_topk must be 1, got 2"),
+    (("--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"),
+     "multi-layer EAGLE runs one MTP layer per draft step: speculative_num_steps=3 exceeds the 2 MTP layer(s) of"),
+    (("--speculative-num-steps", "2"), "set all three of num_steps, topk and num_draft_tokens, or none of them"),
+], ids=["ndt", "topk", "steps", "partial"])
+def test_multi_layer_eagle_refuses_what_is_not_a_chain_of_its_layers(tmp_path, flags, message):
+    from tests.test_sglang_compat import _prepare
+
+    with pytest.raises(SystemExit) as exc:
+        _prepare("--model-path", _checkpoint(tmp_path, 2), "--speculative-algorithm", "NEXTN",
+                 "--enable-multi-layer-eagle", *flags)
+    assert str(exc.value).startswith(f"error: {message}")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--speculative-algorithm", "EAGLE"),  # the bundled target's EAGLE-2 head has no MTP layers
+     "--enable-multi-layer-eagle needs MTP layers (num_nextn_predict_layers) in "),
+    (("--speculative-algorithm", "EAGLE3"), "--enable-multi-layer-eagle drafts with the MTP layers of a checkpoint: "
+     "it needs --speculative-algorithm EAGLE or NEXTN, not speculative_algorithm=EAGLE3"),
+    (("--speculative-algorithm", "STANDALONE"), "it needs --speculative-algorithm EAGLE or NEXTN, not "
+     "speculative_algorithm=STANDALONE"),
+    ((), "--enable-multi-layer-eagle needs --speculative-algorithm"),
+], ids=["no-mtp-layers", "eagle3", "standalone", "no-algorithm"])
+def test_multi_layer_eagle_needs_mtp_layers_of_an_eagle_draft(flags, message):
+    from tests.test_sglang_compat import _prepare
+
+    with pytest.raises(SystemExit) as exc:
+        _prepare(*flags, "--enable-multi-layer-eagle")
+    assert message in str(exc.value)
+
+
+def test_multi_layer_eagle_disables_adaptive_with_a_warning_and_reaches_every_child(tmp_path, capsys):
+    from tandem.launch import commands
+    from tests.test_sglang_compat import _prepare
+
+    args = _prepare("--model-path", _checkpoint(tmp_path, 2), "--speculative-algorithm", "NEXTN",
+                    "--speculative-adaptive")
+    assert args.enable_multi_layer_eagle and not args.speculative_adaptive
+    assert "--speculative-adaptive is disabled with multi-layer EAGLE" in capsys.readouterr().err
+    for name, cmd in commands(args).items():
+        if name != "envoy":
+            assert "--enable-multi-layer-eagle" in cmd and "--speculative-adaptive" not in cmd, name
+    off = _prepare("--model-path", _checkpoint(tmp_path, 3), "--speculative-algorithm", "NEXTN",
+                   "--no-enable-multi-layer-eagle", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+                   "--speculative-num-draft-tokens", "3")
+    assert "--no-enable-multi-layer-eagle" in commands(off)["draft-0"]  # the child must not turn it back on
+
+
+def test_the_draft_service_builds_the_layer_chain_from_the_flags(mtp_target):
+    """`tandem draft --speculative-algorithm NEXTN --model-path <3 MTP layers>`: auto multi-layer, K/1/K+1, the
+    registry's factory loads all three layers and drafts one per step."""
+    from tandem.cli import build_parser, prepare
+    from tandem.services import build_proposer
+
+    parser = build_parser()
+    args = parser.parse_args(["draft", "--model-path", mtp_target, "--speculative-algorithm", "NEXTN",
+                              "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "512"])
+    prepare(args, parser)
+    proposer, path = build_proposer(args)
+    assert path == mtp_target and proposer.multi_layer_steps == 3 and len(proposer.model.layers) == 3
+    [(_, _, chain)] = list(drive(proposer, SpecShape(3, 1, 4), 1))
+    assert len(chain) == 3
