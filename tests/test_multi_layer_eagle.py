@@ -223,3 +223,73 @@ def test_the_draft_service_builds_the_layer_chain_from_the_flags(mtp_target):
     assert path == mtp_target and proposer.multi_layer_steps == 3 and len(proposer.model.layers) == 3
     [(_, _, chain)] = list(drive(proposer, SpecShape(3, 1, 4), 1))
     assert len(chain) == 3
+
+
+# ---------------------------------------------------------------------------------------------- training
+def test_k_layer_training_unroll_is_the_served_chain(tmp_path):
+    """tools/train_eagle3.MTPTrainHead with K = 2 layers: step k of its unroll equals MTP layer k served (through a
+    ModelRunner, the layer's own KV) over the same tokens shifted by k, fed layer k-1's served outputs, on the
+    checkpoint save_mtp wrote: what is trained is what multi-layer EAGLE serves."""
+    import shutil
+
+    from runtime.model_runner import ModelRunner, SeqForward
+    from runtime.models.mtp import build_mtp_head
+    from tools.train_eagle3 import MTPTrainHead, TrainConfig, save_mtp
+
+    target = str(tmp_path / "target")
+    shutil.copytree(make_tiny_model("llama", tmp_path / "src"), target)
+    tcfg = ModelConfig.from_pretrained(target)
+    hf = load_hf_model(target)
+    torch.manual_seed(0)
+    model = MTPTrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, tcfg.intermediate_size,
+                         tcfg.rms_norm_eps, tcfg.rope_theta, hf.lm_head.weight.detach().float(), num_layers=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_mtp(model, target, tcfg, TrainConfig())
+    served_config = ModelConfig.from_pretrained(target)
+    assert served_config.num_mtp_layers == 2
+    served, kv_config = build_mtp_head(target, served_config, CPU, num_layers=2)
+    runner = ModelRunner(None, CPU, kv_config, model=served)
+    tokens = torch.tensor([[5, 17, 200, 33, 9, 250, 41, 7, 88]])
+    t = tokens.shape[1] - 1
+    feats = torch.randn(1, t, tcfg.hidden_size)
+    embed = hf.get_input_embeddings().weight
+    with torch.no_grad():
+        embeds = torch.nn.functional.pad(embed[tokens[:, 1:]], (0, 0, 0, 1))  # t_1.., one padding row
+        trained = model.unrolled_hidden(embeds, feats, 2)
+    features = feats[0]
+    for k in range(2):
+        served.active_layer = k
+        runner.add_seq(f"layer{k}")
+        ids = tokens[0, 1 + k:].tolist()  # layer k at base p reads t_{p+k+1}
+        out = runner.forward([SeqForward(f"layer{k}", ids, logits="all", input_features=features[:len(ids)])],
+                             capture_layers=[k])
+        torch.testing.assert_close(out.features[0], trained[k][0, :len(ids)], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.logits[0], model.logits(trained[k][0, :len(ids)]), atol=1e-4, rtol=1e-4)
+        features = out.features[0]
+    served.active_layer = 0
+    ModelRunner(target, CPU)  # the target itself still loads: the MTP layers are the draft's
+
+
+def test_train_draft_kind_mtp_appends_k_layers_that_multi_layer_eagle_serves(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from tools.lm_data import train_tokenizer
+    from tools.train_draft import main
+
+    target = tmp_path / "target"
+    shutil.copytree(make_tiny_model("llama", tmp_path / "src"), target)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 10)
+    train_tokenizer([corpus.read_text()], 320, target)  # the tiny target's vocabulary is 320
+    main(["--kind", "mtp", "--num-mtp-layers", "2", "--target-model-path", str(target), "--corpus", str(corpus),
+          "--output-dir", str(target), "--steps", "2", "--batch-size", "2", "--seq-len", "24", "--device", "cpu"])
+    config = json.loads((target / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 2
+    assert json.loads((target / "mtp_training_info.json").read_text())["kind"] == "mtp"
+    proposer = EagleProposer(str(target), str(target), CPU, algorithm="NEXTN", multi_layer_steps=2)
+    [(_, _, chain)] = list(drive(proposer, SpecShape(2, 1, 3), 1))
+    assert len(chain) == 2
