@@ -118,8 +118,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-multi-layer-eagle", action=argparse.BooleanOptionalAction, default=None,
                    help="multi-layer EAGLE (EAGLE / NEXTN on a checkpoint with K MTP layers): draft step s runs MTP "
                         "layer s (DeepSeek's chain) instead of layer 0 autoregressively; chains only "
-                        "(num_draft_tokens = num_steps + 1, topk 1, num_steps <= K; unset triple: K/1/K+1). Default: on "
-                        "when the draft checkpoint has K > 1 MTP layers and the triple, if set, is such a chain; "
+                        "(num_draft_tokens = num_steps + 1, topk 1, num_steps <= K; unset triple: K/1/K+1). Default: "
+                        "on when the draft checkpoint has K > 1 MTP layers and the triple, if set, is such a chain; "
                         "--no-enable-multi-layer-eagle: off")
     g.add_argument("--speculative-adaptive", action="store_true",
                    help="adaptive speculation (chain drafts, topk 1): draft steps per verify chosen per batch-size "

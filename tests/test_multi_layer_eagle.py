@@ -293,3 +293,29 @@ def test_train_draft_kind_mtp_appends_k_layers_that_multi_layer_eagle_serves(tmp
     proposer = EagleProposer(str(target), str(target), CPU, algorithm="NEXTN", multi_layer_steps=2)
     [(_, _, chain)] = list(drive(proposer, SpecShape(2, 1, 3), 1))
     assert len(chain) == 2
+
+
+def test_sampled_chains_carry_the_distribution_each_layer_drew_from(mtp_target):
+    """--speculative-use-rejection-sampling: a sampled request's chain token s is drawn from q_s (layer s at the root's
+    row, the request's temperature), and q_s travels with it for the target's p/q rejection; a seeded request draws
+    the same chain again."""
+    from runtime.sampling import SamplingParams
+
+    spec = SpecShape(3, 1, 4)
+    proposer = EagleProposer(mtp_target, mtp_target, CPU, algorithm="NEXTN", use_rejection_sampling=True,
+                             multi_layer_steps=3)
+    committed = [3, 77, 150, 8, 299, 61, 9, 12]
+    feats = torch.randn(len(committed) - 1, proposer.feature_size, generator=torch.Generator().manual_seed(2))
+    chains = []
+    for run in range(2):
+        assert proposer.prefill(f"r{run}", committed, feats) == Status.OK
+        [out] = proposer.propose([ProposeInput(f"r{run}", len(committed), [], spec, feats[:0],
+                                               sampling=SamplingParams(temperature=1.5, seed=11))])
+        tree = out.tree
+        vocab = ModelConfig.from_pretrained(mtp_target).vocab_size
+        assert tree.parents == [-1, 0, 1] and tree.draft_probs.shape == (3, vocab)
+        torch.testing.assert_close(tree.draft_probs.sum(-1), torch.ones(3))
+        assert all(tree.draft_probs[s, token] > 0 for s, token in enumerate(tree.token_ids))
+        assert (tree.draft_probs > 0).sum(-1).min() > 1  # sampled, not a one-hot greedy pick
+        chains.append(tree.token_ids)
+    assert chains[0] == chains[1]
