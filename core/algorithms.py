@@ -80,7 +80,8 @@ class SpeculativeAlgorithm:
     token_map_ignored: str | None = "FR-Spec maps apply to EAGLE (EAGLE-2) heads only"  # None: reads the token map
     # The target checkpoint's own MTP / NextN layers (config num_nextn_predict_layers, runtime/models/mtp.py) are
     # the draft: "always" when the target has them (a draft path given is not needed), "default" only when no other
-    # draft path resolves (an explicit or bundled head wins), "" never.
+    # draft path resolves (an explicit or bundled head wins), "" never. Such an entry also runs multi-layer EAGLE
+    # (`multi_layer_shape`: one MTP layer per draft step) on a checkpoint with several.
     mtp_draft: str = ""
     proposer: str = ""  # "module:function(build) -> (Proposer, path)", see tandem/services.py DraftBuild
     flags: tuple[AlgorithmFlag, ...] = ()
@@ -130,6 +131,42 @@ class SpeculativeAlgorithm:
                 f"num_steps={num_steps}, topk={topk} yield only {capacity}"
             )
         return num_steps, topk, num_draft_tokens
+
+    def multi_layer_shape(self, enable: bool | None, num_mtp_layers: int, num_steps: int | None = None,
+                          topk: int | None = None, num_draft_tokens: int | None = None, *,
+                          source: str = "the draft checkpoint") -> tuple[int, int, int] | None:
+        """Multi-layer EAGLE (SGLang's --enable-multi-layer-eagle, sglang_spec.md §7.2): draft step s runs MTP layer s
+        of a draft checkpoint with `num_mtp_layers` K. enable None = auto: on when K > 1 and the triple, if set, is a
+        chain of at most K steps; False = off (layer 0 drafts autoregressively). Returns the chain (steps, 1,
+        steps + 1) when on — (K, 1, K + 1) when the triple is unset —, None when off; ValueError for what it refuses."""
+        given = [v is not None for v in (num_steps, topk, num_draft_tokens)]
+        if enable is None:
+            enable = bool(self.mtp_draft) and num_mtp_layers > 1 and (
+                not any(given) or all(given) and topk == 1 and num_steps <= num_mtp_layers)
+        if not enable:
+            return None
+        if not self.mtp_draft:
+            raise ValueError("--enable-multi-layer-eagle drafts with the MTP layers of a checkpoint: it needs "
+                             f"--speculative-algorithm {_or_list(names(lambda a: bool(a.mtp_draft)))}, not "
+                             f"speculative_algorithm={self.name}")
+        if num_mtp_layers < 1:
+            raise ValueError(f"--enable-multi-layer-eagle needs MTP layers (num_nextn_predict_layers) in {source}, "
+                             "which has none")
+        if not any(given):
+            return num_mtp_layers, 1, num_mtp_layers + 1
+        if not all(given):
+            raise ValueError("set all three of num_steps, topk and num_draft_tokens, or none of them")
+        _check_positive(num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens)
+        if num_draft_tokens != num_steps + 1:
+            raise ValueError("multi-layer EAGLE drafts a chain: speculative_num_draft_tokens must equal "
+                             f"speculative_num_steps + 1, got speculative_num_draft_tokens={num_draft_tokens}, "
+                             f"speculative_num_steps={num_steps}")
+        if topk != 1:
+            raise ValueError(f"multi-layer EAGLE drafts a chain: speculative_eagle_topk must be 1, got {topk}")
+        if num_steps > num_mtp_layers:
+            raise ValueError(f"multi-layer EAGLE runs one MTP layer per draft step: speculative_num_steps={num_steps} "
+                             f"exceeds the {num_mtp_layers} MTP layer(s) of {source} (num_nextn_predict_layers)")
+        return num_steps, 1, num_draft_tokens
 
 
 ALGORITHMS: dict[str, SpeculativeAlgorithm] = {}  # name -> entry, in registration order

@@ -6,19 +6,27 @@ committed tokens the draft KV covers positions [0, C-1) and its output at C-2 (i
 gives the first draft step. Deeper steps feed the draft's own recurrent hidden instead of the unknown target feature.
 With --speculative-use-rejection-sampling, chains (topk 1) of sampled requests are sampled instead of taken greedily:
 each draft token x ~ q, q = the request's temperature/top-k/top-p over the head's logits (mapped into the target
-vocabulary), and the tree carries every q so that the target can verify by p/q rejection. Knows nothing about how
+vocabulary), and the tree carries every q so that the target can verify by p/q rejection.
+
+Multi-layer EAGLE (--enable-multi-layer-eagle, a target with K MTP layers): draft step s runs MTP layer s, all of
+them at the same positions (DeepSeek's chain): layer s at position p takes (t_{p+s+1}, layer s-1's output at p), so
+its KV at p is committed only while t_{p+s+1} is, i.e. on [0, kv_len - s). Each Propose runs every layer over one
+window [kv_len - (S-1), C-1) (SGLang's draft extend): layer s's ids are the window's committed tokens shifted left by
+s with the chain's first s draft tokens after them, its features layer s-1's outputs; the root's row of layer s
+gives draft token s+1. Every layer's stale positions are rewritten before they are read. Knows nothing about how
 the target produced the features or what gets committed.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from core import algorithms
 from core.algorithms import DraftModel, TargetFeatures
-from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from draft_service.proposer import Proposer, ProposeInput, SpecShape, StaleSequence
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
@@ -43,10 +51,13 @@ class EagleProposer(Proposer):
         algorithm: str = "EAGLE",
         token_map: str | Sequence[int] | torch.Tensor | None = None,
         use_rejection_sampling: bool = False,
+        multi_layer_steps: int = 0,
     ) -> None:
         """target_path: the target checkpoint (embedding and lm_head are shared from it); draft_path: the published
         EAGLE / EAGLE-3 head; token_map: FR-Spec hot target ids (EAGLE only), a torch.load-able file or the ids;
-        use_rejection_sampling: sample the chains of sampled requests and return their distributions."""
+        use_rejection_sampling: sample the chains of sampled requests and return their distributions;
+        multi_layer_steps: multi-layer EAGLE over the draft checkpoint's first this many MTP layers, one per draft
+        step (chains of exactly this many steps; 0 = off: one MTP layer or head, autoregressively)."""
         super().__init__()
         entry = algorithms.find(algorithm)
         if entry is None or entry.draft_model is not DraftModel.HEAD:
@@ -54,7 +65,11 @@ class EagleProposer(Proposer):
                            for n in (a.name, *a.aliases))
             raise ValueError(f"EagleProposer: algorithm must be one of {heads}, got {algorithm!r}")
         self.algorithm = entry.name
-        model, config = load_draft_head(draft_path, target_path, engine_config, self.algorithm, token_map)
+        self.multi_layer_steps = multi_layer_steps
+        model, config = load_draft_head(draft_path, target_path, engine_config, self.algorithm, token_map,
+                                        num_mtp_layers=max(1, multi_layer_steps))
+        if multi_layer_steps:  # a decode graph replays the layer it was captured with: the static step is the graph
+            engine_config = replace(engine_config, disable_cuda_graph=True)
         self.runner = ModelRunner(None, engine_config, config, model=model)
         self.model = model
         self.feature_size: int = model.feature_size  # F of every features tensor this proposer accepts
@@ -71,6 +86,8 @@ class EagleProposer(Proposer):
         self.max_context_len = config.max_position_embeddings
         self._feats: dict[str, torch.Tensor] = {}  # raw target features for draft positions [feat_start, C-1)
         self._feat_start: dict[str, int] = {}
+        # Features kept after a Propose: the window of the next one starts this many positions before C-1.
+        self._feature_tail = max(1, multi_layer_steps)
 
     def memory(self) -> tuple[int, int]:
         return self.runner.num_free_tokens(), self.runner.num_total_tokens()
@@ -92,6 +109,9 @@ class EagleProposer(Proposer):
         self._feats[seq_id] = self._feats[seq_id][:keep]
         if keep == 0:
             self._feat_start[seq_id] = pos
+        if self._window_start(seq_id, len(self._tokens[seq_id])) < self._feat_start[seq_id]:
+            # Multi-layer: a rollback deeper than the kept features; the deeper layers' KV cannot be rebuilt.
+            raise StaleSequence(f"seq {seq_id!r}: rolled back past the features the draft kept")
 
     def _on_features(self, seq_id: str, features: torch.Tensor) -> None:
         if features.shape[1] != self.feature_size:
@@ -117,9 +137,14 @@ class EagleProposer(Proposer):
         trees: dict[str, DraftTree] = {}
         # Too close to the context limit, out of KV, or no root feature yet: no proposal, the target decodes alone.
         active = [inp for inp in inputs if self._fits(inp)]
+        if self.multi_layer_steps:  # one MTP layer per step: the served chain only; other shapes get no proposal
+            active = [inp for inp in active if inp.spec.topk == 1 and inp.spec.num_steps == self.multi_layer_steps]
         static = None if any(self._samples(inp) for inp in active) else self._draft_static(active)
         if static is not None:
             return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+        if self.multi_layer_steps:
+            chains = self._draft_layer_chain(active)
+            return [chains.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
         roots = self._catch_up(active)
         groups: dict[SpecShape, list[ProposeInput]] = defaultdict(list)
         for inp in active:
@@ -140,8 +165,7 @@ class EagleProposer(Proposer):
         if step is None:
             return None
         # The catch-up re-runs at least the root's position C-2 (its output starts the tree): KV [first, C-1).
-        plans = [(inp, min(self.runner.kv_len(inp.seq_id), inp.committed_len - 2), inp.committed_len - 1)
-                 for inp in inputs]
+        plans = [(inp, self._window_start(inp.seq_id, inp.committed_len), inp.committed_len - 1) for inp in inputs]
         for inp, first, _ in plans:
             if first < self._feat_start[inp.seq_id]:
                 raise RuntimeError(f"seq {inp.seq_id!r}: the feature of position {first} was dropped")
@@ -157,9 +181,75 @@ class EagleProposer(Proposer):
         trees = step.propose(items)
         for inp, _, _ in plans:  # the catch-up is committed, the tree nodes were scratch
             self.runner.written(inp.seq_id, inp.committed_len - 1)
-            self._feats[inp.seq_id] = self._feats[inp.seq_id][-1:]
-            self._feat_start[inp.seq_id] = inp.committed_len - 2
+            self._keep_feature_tail(inp)
         return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
+
+    def _new_static_step(self, spec: SpecShape, max_bs: int):
+        if not self.multi_layer_steps:
+            return super()._new_static_step(spec, max_bs)
+        if spec.topk != 1 or spec.num_steps != self.multi_layer_steps:
+            return None
+        from runtime.speculative.draft_step import StaticMultiLayerDraftStep, StepShape
+
+        # Window: S-1 re-run positions + up to S+1 newly committed tokens (accepted drafts + bonus).
+        shape = StepShape(spec.num_steps, 1, spec.num_draft_tokens, catch_up=2 * spec.num_steps)
+        return StaticMultiLayerDraftStep(self.runner, shape, max_bs, feature_head=True)
+
+    def _window_start(self, seq_id: str, committed_len: int) -> int:
+        """First draft position a Propose at committed length C re-runs: at least the root's, C-2; with S chained
+        MTP layers S-1 earlier, where the deepest layer's committed KV ends (layer s's is [0, kv_len - s))."""
+        kv_len = self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
+        return max(0, min(kv_len, committed_len - 2) - (self._feature_tail - 1))
+
+    def _keep_feature_tail(self, inp: ProposeInput) -> None:
+        """After a Propose: keep the features the next one re-runs (the last S, or f_{C-2} alone)."""
+        rows = self._feats[inp.seq_id][-self._feature_tail:]
+        self._feats[inp.seq_id] = rows
+        self._feat_start[inp.seq_id] = inp.committed_len - 1 - rows.shape[0]
+
+    def _draft_layer_chain(self, inputs: list[ProposeInput]) -> dict[str, DraftTree]:
+        """Multi-layer EAGLE, eagerly: MTP layer s over each sequence's window [W, C-1) for s = 0..S-1, one forward
+        per layer for the batch (the runner rewinds to W between layers, keeping the blocks the others wrote)."""
+        if not inputs:
+            return {}
+        runner, steps = self.runner, self.multi_layer_steps
+        plans = []
+        for inp in inputs:
+            seq_id, committed_len = inp.seq_id, inp.committed_len
+            first, start = self._window_start(seq_id, committed_len), self._feat_start[seq_id]
+            if first < start:
+                raise RuntimeError(f"seq {seq_id!r}: the feature of position {first} was dropped")
+            if first < runner.kv_len(seq_id):
+                runner.truncate(seq_id, first)
+            plans.append((inp, first))
+        ids = [self._tokens[inp.seq_id][first + 1:inp.committed_len] for inp, first in plans]  # layer 0's ids
+        feats = [self.model.project_features(
+            self._feats[inp.seq_id][first - self._feat_start[inp.seq_id]:].to(runner.device, runner.dtype))
+            for inp, first in plans]  # (T_i, H): f_W..f_{C-2}
+        sampled = [i for i, inp in enumerate(inputs) if self._samples(inp)]
+        draft_probs: list[list[torch.Tensor]] = [[] for _ in inputs]
+        chains: list[list[int]] = [[] for _ in inputs]
+        try:
+            for s in range(steps):
+                self.model.active_layer = s
+                for inp, first in plans if s else ():
+                    runner.rewind(inp.seq_id, first)
+                forwards = [SeqForward(inp.seq_id, ids[i], logits="last", input_features=feats[i])
+                            for i, (inp, _) in enumerate(plans)]
+                out = forward_chunked(runner, forwards, runner.engine_config.chunked_prefill_size, capture_layers=[s])
+                logits = torch.stack([rows[-1] for rows in out.logits])  # (b, V): the root's row, position C-2
+                top = self._to_target(self._pick(inputs, sampled, logits, draft_probs).argmax(dim=-1)).tolist()
+                feats = out.features  # layer s's outputs: the next layer's features
+                for i, token in enumerate(top):
+                    chains[i].append(token)
+                    ids[i] = ids[i][1:] + [token]  # rotated left by one, the new draft token at the root's row
+        finally:
+            self.model.active_layer = 0
+        for inp in inputs:
+            self._keep_feature_tail(inp)
+        return {inp.seq_id: DraftTree(chains[i], list(range(-1, steps - 1)),
+                                      torch.stack(draft_probs[i]).float().cpu() if draft_probs[i] else None)
+                for i, inp in enumerate(inputs)}
 
     def _samples(self, inp: ProposeInput) -> bool:
         """Whether this sequence's chain is sampled (p/q rejection sampling) rather than taken greedily."""
@@ -201,8 +291,7 @@ class EagleProposer(Proposer):
         ]
         out = forward_chunked(self.runner, forwards, self.runner.engine_config.chunked_prefill_size)
         for inp in inputs:  # keep only f_{C-2}: enough to re-run the root's position if nothing new arrives
-            self._feats[inp.seq_id] = self._feats[inp.seq_id][-1:]
-            self._feat_start[inp.seq_id] = inp.committed_len - 2
+            self._keep_feature_tail(inp)
         return {f.seq_id: (logits[-1], hidden[-1]) for f, logits, hidden in zip(forwards, out.logits, out.hidden)}
 
     def _expand(
@@ -299,6 +388,8 @@ def build(build) -> tuple[EagleProposer, str]:
     path = str(args.speculative_draft_model_path)
     engine_config = build.engine_config()
     build.loading(path, engine_config)
+    multi_layer = getattr(args, "enable_multi_layer_eagle", None)
     return EagleProposer(build.target_path, path, engine_config, args.speculative_algorithm,
                          token_map=args.speculative_token_map,
-                         use_rejection_sampling=getattr(args, "speculative_use_rejection_sampling", False)), path
+                         use_rejection_sampling=getattr(args, "speculative_use_rejection_sampling", False),
+                         multi_layer_steps=args.speculative_num_steps if multi_layer else 0), path

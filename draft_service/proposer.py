@@ -20,6 +20,11 @@ from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 
 
+class StaleSequence(Exception):
+    """Raised by `_on_rollback` when the proposer dropped what it needs to continue from the kept tokens: the
+    sequence is released and answered STALE, and the gateway re-syncs it with a prefill."""
+
+
 @dataclass(frozen=True)
 class SpecShape:
     num_steps: int
@@ -70,13 +75,19 @@ class Proposer(abc.ABC):
         runner = self.runner
         if runner is None or not hasattr(runner.attn_backend, "use_static_metadata") or spec.num_draft_tokens < 2:
             return False
-        from runtime.speculative.draft_step import StaticDraftStep, StepShape
-
-        shape = StepShape(spec.num_steps, spec.topk, spec.num_draft_tokens, catch_up=spec.num_steps + 1)
-        step = StaticDraftStep(runner, shape, max_bs, feature_head=self.needs_features)
+        step = self._new_static_step(spec, max_bs)
+        if step is None:
+            return False
         step.capture()
         self._static_steps[spec] = step
         return True
+
+    def _new_static_step(self, spec: SpecShape, max_bs: int):
+        """The static step of this shape (not captured yet), or None when this proposer drafts it eagerly only."""
+        from runtime.speculative.draft_step import StaticDraftStep, StepShape
+
+        shape = StepShape(spec.num_steps, spec.topk, spec.num_draft_tokens, catch_up=spec.num_steps + 1)
+        return StaticDraftStep(self.runner, shape, max_bs, feature_head=self.needs_features)
 
     def _reserve_static(self, step, plans: list[tuple[ProposeInput, int, int]]) -> bool:
         """plans: (input, start, end): the static step's catch-up writes draft KV [start, end), its tree nodes follow.
@@ -130,7 +141,12 @@ class Proposer(abc.ABC):
                 continue
             del tokens[start:]
             tokens.extend(inp.new_token_ids)
-            self._on_rollback(inp.seq_id, start)
+            try:
+                self._on_rollback(inp.seq_id, start)
+            except StaleSequence as exc:  # the proposer cannot rebuild its state from here: the gateway re-syncs
+                self.release([inp.seq_id])
+                out.status, out.error = Status.STALE, str(exc)
+                continue
             if self.needs_features and inp.new_token_ids:
                 self._on_features(inp.seq_id, inp.features)
             ready.append(inp)
@@ -205,7 +221,7 @@ class Proposer(abc.ABC):
         pass
 
     def _on_rollback(self, seq_id: str, kept_len: int) -> None:
-        """Committed tokens past `kept_len` were replaced; drop state derived from them."""
+        """Committed tokens past `kept_len` were replaced; drop state derived from them (StaleSequence: cannot)."""
 
     def _on_release(self, seq_id: str) -> None:
         pass

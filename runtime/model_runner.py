@@ -265,6 +265,16 @@ class ModelRunner:
         if self._mirror is not None:
             self._mirror.record("truncate", seq_id, kv_len)
 
+    def rewind(self, seq_id: str, kv_len: int) -> None:
+        """Move the sequence's KV length back to kv_len keeping its blocks (truncate frees them): the next append
+        rewrites [kv_len, ..) of the layers it runs and the other layers' KV there stays (the MTP layers of a
+        multi-layer draft write the same positions one after another)."""
+        state = self._state(seq_id)
+        if not 0 <= kv_len <= state.kv_len or state.region_start is not None or self._mirror is not None:
+            raise ValueError(f"rewind seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}], no tree region, "
+                             "no TP")
+        state.kv_len = kv_len
+
     def compact(self, seq_id: str, region_nodes: list[int]) -> None:
         """Keep only these region nodes, moved in this order to KV indices region_start..; closes the region."""
         state = self._state(seq_id)

@@ -115,6 +115,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching factor per draft step")
     g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree size verified per step, root included")
+    g.add_argument("--enable-multi-layer-eagle", action=argparse.BooleanOptionalAction, default=None,
+                   help="multi-layer EAGLE (EAGLE / NEXTN on a checkpoint with K MTP layers): draft step s runs MTP "
+                        "layer s (DeepSeek's chain) instead of layer 0 autoregressively; chains only "
+                        "(num_draft_tokens = num_steps + 1, topk 1, num_steps <= K; unset triple: K/1/K+1). Default: "
+                        "on when the draft checkpoint has K > 1 MTP layers and the triple, if set, is such a chain; "
+                        "--no-enable-multi-layer-eagle: off")
     g.add_argument("--speculative-adaptive", action="store_true",
                    help="adaptive speculation (chain drafts, topk 1): draft steps per verify chosen per batch-size "
                         "slot from an EMA of accepted drafts; large batches step without drafts (gateway/adaptive.py)")
@@ -254,6 +260,9 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
             raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path "
                              f"(the head){mtp}")
     if not entry.drafts:
+        if getattr(args, "enable_multi_layer_eagle", None):
+            raise SystemExit("error: --enable-multi-layer-eagle needs --speculative-algorithm")
+        args.enable_multi_layer_eagle = False
         if getattr(args, "speculative_adaptive", False):
             raise SystemExit("error: --speculative-adaptive needs --speculative-algorithm")
         if any(v is not None for v in (args.speculative_num_steps, args.speculative_eagle_topk,
@@ -261,13 +270,19 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
             raise SystemExit("error: --speculative-num-steps/-eagle-topk/-num-draft-tokens need "
                              "--speculative-algorithm")
         return algorithm, 0, 1, 1
+    draft = args.speculative_draft_model_path if entry.mtp_draft else None
     try:
-        steps, topk, ndt = entry.resolve_shape(
+        chain = entry.multi_layer_shape(
+            getattr(args, "enable_multi_layer_eagle", None), mtp_layers(draft) if draft else 0,
+            args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens,
+            source=str(draft or "the draft checkpoint"))
+        steps, topk, ndt = chain or entry.resolve_shape(
             read_architecture(model_path(args)), args.speculative_num_steps,
             args.speculative_eagle_topk, args.speculative_num_draft_tokens,
             max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    args.enable_multi_layer_eagle = chain is not None
     if getattr(args, "speculative_adaptive", False):
         if not entry.supports_adaptive or topk != 1:
             adaptive = algorithms.names(lambda a: a.supports_adaptive)

@@ -62,8 +62,6 @@ COMPAT_FLAGS = (
                help="SGLang: trie nodes given to the external corpora's suffix automata"),
     CompatFlag("--speculative-ngram-external-corpus-max-tokens", f"{NOT_YET}: external NGRAM corpora", int,
                help="SGLang: token cap of an external NGRAM corpus"),
-    CompatFlag("--enable-multi-layer-eagle", f"{NOT_YET}: multi-layer EAGLE (one MTP layer per draft step)", None,
-               False, help="SGLang: one draft runner per MTP layer (MiMoV2, Step3p5)"),
     CompatFlag("--uno-lora-path", f"{NOT_YET}: UNO (LoRA self-drafting by the target)",
                help="SGLang: the UNO draft LoRA of the target"),
     CompatFlag("--enable-dp-attention", f"{NOT_HERE}: data-parallel attention is for MoE/MLA models; Tandem scales "
@@ -141,6 +139,10 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         overlap = " / ".join(algorithms.names(lambda a: a.supports_overlap))
         notes.append(f"--enable-overlap-drafting is ignored for {_algo(entry)}: only {overlap} drafts pre-draft "
                      "the next step")
+    if getattr(args, "enable_multi_layer_eagle", False) and getattr(args, "speculative_adaptive", False):
+        notes.append("--speculative-adaptive is disabled with multi-layer EAGLE: it drafts one MTP layer per step, "
+                     "a chain of fixed depth")  # as SGLang does
+        args.speculative_adaptive = False
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
     notes += verify_notes(args)

@@ -79,6 +79,8 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
     if args.speculative_draft_attention_backend:
         flags += ["--speculative-draft-attention-backend", args.speculative_draft_attention_backend]
     flags += verify_flags(args)  # accept thresholds, rejection sampling, attention mode
+    if entry.mtp_draft:  # resolved (auto included): the children must not decide it again from the explicit triple
+        flags += ["--enable-multi-layer-eagle" if args.enable_multi_layer_eagle else "--no-enable-multi-layer-eagle"]
     if getattr(args, "disable_static_draft_step", False):
         flags += ["--disable-static-draft-step"]
     if getattr(args, "disable_static_verify_step", False):

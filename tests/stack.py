@@ -45,7 +45,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
-                      tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None):
+                      tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
+                      multi_layer: bool = False):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -54,7 +55,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; tokenizer: the gateway's
     (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
     use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
-    accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc)."""
+    accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
+    multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -70,7 +72,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         from draft_service.eagle import EagleProposer
 
         proposer = EagleProposer(str(target_path), str(draft_path), engine_config, algorithm,
-                                 use_rejection_sampling=use_rejection_sampling)
+                                 use_rejection_sampling=use_rejection_sampling,
+                                 multi_layer_steps=num_steps if multi_layer else 0)
         capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
                    else {"final_norm_features": True})
     servers = []

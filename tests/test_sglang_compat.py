@@ -29,7 +29,8 @@ WARN_ONLY = {"--trust-remote-code"}
 # SGLang flags Tandem acts on (parsed by every command, like the others): the overlap schedule, and issue 12 part 3's
 # verify knobs (tests/test_verify_flags.py checks their rules).
 ACCEPTED = {"--disable-overlap-schedule", "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
-            "--speculative-use-rejection-sampling", "--speculative-attention-mode"}
+            "--speculative-use-rejection-sampling", "--speculative-attention-mode",
+            "--enable-multi-layer-eagle"}  # tests/test_multi_layer_eagle.py checks its rules
 
 
 def _prepare(*flags: str, command: str = "serve"):

@@ -7,6 +7,7 @@ training_info.json.
     python -m tools.train_draft --kind standalone --target-model-path T --corpus src/ --output-dir D --minutes 10
     python -m tools.train_draft --kind eagle3 --target-model-path T --corpus corpus.txt --output-dir H --device cuda
     python -m tools.train_draft --kind eagle --target-model-path T --corpus src/ --output-dir H --threads 2
+    python -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path T --corpus src/ --output-dir T
 
 The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted, less --exclude-glob
 patterns and the files of --exclude-files, e.g. a target's heldout_files.txt); documents are joined with the
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="EAGLE-3: head lm_head rows; EAGLE-2: training softmax vocabulary only (default: full vocab)")
     g.add_argument("--head-intermediate-size", type=int, default=None, help="head FFN width (default: target's)")
     g.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll")
+    g.add_argument("--num-mtp-layers", type=int, default=1,
+                   help="mtp: MTP layers trained jointly as DeepSeek's chain (layer k predicts token t+k+2, unrolled "
+                        "as multi-layer EAGLE serves them; the unroll is then this many steps, not --ttt-steps) and "
+                        "appended as model.layers.{L..L+K-1} with num_nextn_predict_layers K")
     g.add_argument("--aux-layer-ids", type=int, nargs=3, default=None,
                    help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4]; EAGLE-3 only)")
     g.add_argument("--feature-loss-weight", type=float, default=1.0,
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                           aux_layer_ids=args.aux_layer_ids if args.kind == "eagle3" else None,
                           intermediate_size=args.head_intermediate_size, feature_loss_weight=args.feature_loss_weight,
                           time_budget_s=args.minutes * 60, bf16_autocast=bf16, log_every=20, progress_bar=True,
-                          save_dtype=args.save_dtype, seed=args.seed, device=device)
+                          save_dtype=args.save_dtype, seed=args.seed, device=device,
+                          num_mtp_layers=args.num_mtp_layers if args.kind == "mtp" else 1)
         train = {"eagle3": train_eagle3_online, "eagle": train_eagle_online, "mtp": train_mtp_online}[args.kind]
         info = train(target, stream, str(out), cfg, args.kind)
     info = dict(kind=args.kind, target=str(args.target_model_path), corpus=str(args.corpus),

@@ -24,7 +24,7 @@ import json
 import math
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ class TrainConfig:
     seq_len: int = 128  # corpus chunk length (tokens)
     ttt_steps: int = 3  # unrolled draft steps per position
     ttt_decay: float = 0.8  # loss weight of step j: decay ** j
+    # MTP only: layers trained jointly as DeepSeek's chain (step j = layer j, which predicts t_{p+j+2}); > 1 sets the
+    # unroll to this many steps (ttt_steps is then ignored)
+    num_mtp_layers: int = 1
     feature_loss_weight: float = 1.0  # EAGLE-2 only: weight of the smooth-L1 regression of the target's feature
     draft_vocab_size: int | None = None  # None = the whole target vocabulary; else the most frequent labels
     aux_layer_ids: list[int] | None = None  # None = SGLang's default capture [2, L//2, L-3]
@@ -52,7 +55,7 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "ttt_steps"):
+        for name in ("steps", "batch_size", "seq_len", "ttt_steps", "num_mtp_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.seq_len < self.ttt_steps + 2:
@@ -165,32 +168,42 @@ class EagleTrainHead(nn.Module):
 
 
 class MTPTrainHead(EagleTrainHead):
-    """One MTP / NextN layer (runtime/models/mtp.py) as a batched full-sequence module: h = eh_proj(cat(enorm(embed(
-    t_{p+1})), hnorm(f_p))), one Llama decoder layer (with its input_layernorm), out = shared_head.norm(h); `out` feeds
-    the target's lm_head and is the next unroll step's feature. Same TTT unroll and loss as the EAGLE-2 head (the
-    target's features are its final-norm hidden states, like `out`). Saved into the target's checkpoint in
-    DeepSeek-V3's layout by `save_mtp` (training only)."""
+    """K MTP / NextN layers (runtime/models/mtp.py) as a batched full-sequence module; layer k: h = eh_proj(cat(enorm(
+    embed(x)), hnorm(f))), one Llama decoder layer (with its input_layernorm), out = shared_head.norm(h); `out` feeds
+    the target's lm_head and is the next step's feature. One layer: the EAGLE-2 head's TTT unroll and loss (the layer
+    fed its own output, as NEXTN serves it autoregressively). K layers: DeepSeek's chain, as multi-layer EAGLE serves
+    it: step k is layer k at the same base positions p, fed t_{p+k+1} and layer k-1's output at p (layer 0: the
+    target's final-norm hidden state f_p), causal over its own sequence; it predicts t_{p+k+2} (the same loss
+    indexing). Saved into the target's checkpoint in DeepSeek-V3's layout by `save_mtp` (training only)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                 rope_theta: float, lm_head: torch.Tensor) -> None:
-        super().__init__(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, rope_theta, lm_head, 1)
+                 rope_theta: float, lm_head: torch.Tensor, num_layers: int = 1) -> None:
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, rope_theta, lm_head,
+                         num_layers)
         del self.fc
-        self.enorm, self.hnorm = _RMSNorm(hidden, eps), _RMSNorm(hidden, eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers[0].input_layernorm = _RMSNorm(hidden, eps)
-        self.shared_head_norm = _RMSNorm(hidden, eps)
+        for layer in self.layers:
+            layer.input_layernorm = _RMSNorm(hidden, eps)
+            layer.enorm, layer.hnorm = _RMSNorm(hidden, eps), _RMSNorm(hidden, eps)
+            layer.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            layer.shared_head_norm = _RMSNorm(hidden, eps)
 
     def unrolled_hidden(self, embeds: torch.Tensor, feats: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+        """As EagleTrainHead's; with K > 1 layers num_steps <= K and step j runs layer j (its own fresh KV)."""
         t = feats.shape[1]
+        chain = len(self.layers) > 1
+        if chain and num_steps > len(self.layers):
+            raise ValueError(f"{num_steps} chain steps for {len(self.layers)} MTP layers")
         f, out, keys, values = feats, [], [], []
-        layer = self.layers[0]
         for j in range(num_steps):
-            h = self.eh_proj(torch.cat([self.enorm(embeds[:, j:j + t]), self.hnorm(f)], dim=-1))  # (B, T, H)
-            h = h + _ttt_attention(layer.self_attn, layer.input_layernorm(h), j, keys, values, self.nh, self.kvh,
-                                   self.hd, self.rope_theta)
+            layer = self.layers[j if chain else 0]
+            if chain:  # layer j sits at the base positions and attends to its own causal prefix only
+                keys, values = [], []
+            h = layer.eh_proj(torch.cat([layer.enorm(embeds[:, j:j + t]), layer.hnorm(f)], dim=-1))  # (B, T, H)
+            h = h + _ttt_attention(layer.self_attn, layer.input_layernorm(h), 0 if chain else j, keys, values,
+                                   self.nh, self.kvh, self.hd, self.rope_theta)
             y = layer.post_attention_layernorm(h)
             h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
-            f = self.shared_head_norm(h)
+            f = layer.shared_head_norm(h)
             out.append(f)
         return out
 
@@ -340,8 +353,10 @@ def _train_online(kind: str, target: nn.Module, stream: torch.Tensor, output_dir
     elif kind == "mtp":
         model = MTPTrainHead(tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim,
                              config.intermediate_size or tcfg.intermediate_size, tcfg.rms_norm_eps, tcfg.rope_theta,
-                             head[hot.to(head.device)]).to(config.device)
+                             head[hot.to(head.device)], config.num_mtp_layers).to(config.device)
         loss_fn = eagle_ttt_loss
+        if config.num_mtp_layers > 1:  # the chain's unroll: one step per layer
+            config = replace(config, ttt_steps=config.num_mtp_layers)
     else:
         model, loss_fn = build_eagle_head(tcfg, head[hot.to(head.device)], config), eagle_ttt_loss
     from tools.lm_train import StreamSampler
@@ -533,22 +548,20 @@ def save_eagle(model: EagleTrainHead, output_dir: str, tcfg, config: TrainConfig
 
 
 def save_mtp(model: MTPTrainHead, target_dir: str, tcfg, config: TrainConfig) -> None:
-    """Append the layer to the target checkpoint in DeepSeek-V3's MTP layout: model.layers.{L}.{enorm, hnorm, eh_proj,
-    input_layernorm, self_attn.*, post_attention_layernorm, mlp.*, shared_head.norm} in mtp.safetensors (listed in
-    model.safetensors.index.json when the checkpoint is sharded), num_nextn_predict_layers = 1 in config.json."""
+    """Append the K layers to the target checkpoint in DeepSeek-V3's MTP layout: model.layers.{L + k}.{enorm, hnorm,
+    eh_proj, input_layernorm, self_attn.*, post_attention_layernorm, mlp.*, shared_head.norm} in mtp.safetensors
+    (listed in model.safetensors.index.json when the checkpoint is sharded), num_nextn_predict_layers = K in
+    config.json (replacing MTP layers an earlier save wrote)."""
     from safetensors.torch import save_file
 
     if (config.intermediate_size or tcfg.intermediate_size) != tcfg.intermediate_size:
         raise ValueError("an MTP layer is a decoder layer of the target's shape: no other intermediate_size")
     dtype = getattr(torch, config.save_dtype)
-    prefix = f"model.layers.{tcfg.num_layers}."
-    names = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
-             "shared_head_norm.weight": "shared_head.norm.weight"}
     tensors = {}
-    for key, value in model.state_dict().items():
-        ours = names.get(key) or (key.removeprefix("layers.0.") if key.startswith("layers.0.") else None)
-        if ours is not None:
-            tensors[prefix + ours] = value.detach().to("cpu", dtype).contiguous()
+    for key, value in model.state_dict().items():  # layers.{k}.<name> -> model.layers.{L + k}.<published name>
+        _, index, name = key.split(".", 2)
+        name = "shared_head.norm.weight" if name == "shared_head_norm.weight" else name
+        tensors[f"model.layers.{tcfg.num_layers + int(index)}.{name}"] = value.detach().to("cpu", dtype).contiguous()
     save_file(tensors, os.path.join(target_dir, "mtp.safetensors"), metadata={"format": "pt"})
     index_path = os.path.join(target_dir, "model.safetensors.index.json")
     if os.path.isfile(index_path):
@@ -561,7 +574,7 @@ def save_mtp(model: MTPTrainHead, target_dir: str, tcfg, config: TrainConfig) ->
     config_path = os.path.join(target_dir, "config.json")
     with open(config_path) as f:
         cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = 1
+    cfg["num_nextn_predict_layers"] = len(model.layers)
     with open(config_path, "w") as f:
         json.dump(cfg, f, indent=2)
 

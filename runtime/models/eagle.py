@@ -97,10 +97,11 @@ def load_draft_head(
     engine_config: EngineConfig,
     algorithm: str,
     token_map: str | Sequence[int] | torch.Tensor | None = None,
+    num_mtp_layers: int = 1,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load an EAGLE / NEXTN or EAGLE3 head from its published checkpoint, with the target's shared tensors; for
-    EAGLE / NEXTN, a checkpoint with MTP layers (num_nextn_predict_layers: the target itself) gives its first MTP
-    layer instead (runtime/models/mtp.py), run autoregressively.
+    EAGLE / NEXTN, a checkpoint with MTP layers (num_nextn_predict_layers: the target itself) gives its first
+    `num_mtp_layers` MTP layers instead (runtime/models/mtp.py): one run autoregressively, or a multi-layer chain.
 
     Returns (model in eval mode on the engine device, ModelConfig describing its KV shape for a ModelRunner)."""
     algorithm = algorithm.upper()
@@ -119,7 +120,10 @@ def load_draft_head(
             raise ValueError("--speculative-token-map is for EAGLE-2 heads; MTP layers use the target's whole vocab")
         from runtime.models.mtp import build_mtp_head
 
-        return build_mtp_head(draft_path, ModelConfig.from_pretrained(draft_path), engine_config, num_layers=1)
+        return build_mtp_head(draft_path, ModelConfig.from_pretrained(draft_path), engine_config,
+                              num_layers=num_mtp_layers)
+    if num_mtp_layers != 1:
+        raise ValueError(f"{draft_path} has no MTP layers (num_nextn_predict_layers): multi-layer EAGLE needs them")
     if wanted == EAGLE3_ARCH:
         if token_map is not None:
             raise ValueError("--speculative-token-map is for EAGLE; an EAGLE-3 head carries its own d2t map")

@@ -9,8 +9,10 @@ Math of one MTP layer at position t (token x_t, feature f = the target's final-n
 or the layer's own output of the step before): h = eh_proj(cat(enorm(embed(x_t)), hnorm(f))); h = decoder(h);
 out = shared_head.norm(h). `out` is both the lm_head input and the recurrent feature of the next draft step, as in
 SGLang's NextN models. The draft runs one MTP layer autoregressively `num_steps` times (chain or tree), or, with
-multi-layer EAGLE, layer s at step s (`layer_for_step`). Knows nothing about sequences or trees
-(draft_service/eagle.py drives it exactly like an EAGLE-2 head).
+multi-layer EAGLE (DeepSeek's chain), layer s at draft step s: layer s at position p takes the embedding of
+t_{p+s+1} and layer s-1's output at p (layer 0: the target's feature f_p) and predicts t_{p+s+2}; every layer runs
+at the same positions and holds its own KV layer (`active_layer` picks the layer of a forward). Knows nothing about
+sequences or trees (draft_service/eagle.py drives it like an EAGLE-2 head).
 """
 from __future__ import annotations
 
@@ -72,13 +74,16 @@ class MTPHead(nn.Module):
         backend: AttentionBackend,
         kv_pool: KVPool,
         capture_layers: list[int] | None = None,
-        input_features: torch.Tensor | None = None,  # (N, H): target feature or the layer's own previous output
+        input_features: torch.Tensor | None = None,  # (N, H): target feature or the previous layer's / step's output
     ) -> ModelOutput:
+        """capture_layers given (any list): `features` = the output of every token too, (N, H): the next MTP layer's
+        input features (multi-layer EAGLE: ModelRunner returns features for all tokens, hidden only for logits rows)."""
         if input_features is None:
             raise ValueError("an MTP draft layer needs input_features for every token")
         e = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, e.dtype)
-        return ModelOutput(hidden=self.layers[self.active_layer](e, input_features, cos, sin, backend, kv_pool))
+        out = self.layers[self.active_layer](e, input_features, cos, sin, backend, kv_pool)  # (N, H)
+        return ModelOutput(hidden=out, features=out if capture_layers is not None else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -202,3 +202,41 @@ class StaticDraftStep(StaticStep):
             count = row[2 * m]
             trees.append(DraftTree(row[:count], [ROOT if p < 0 else p for p in row[m:m + count]]))
         return trees
+
+
+class StaticMultiLayerDraftStep(StaticDraftStep):
+    """The static Propose of multi-layer EAGLE (an MTP stack, runtime/models/mtp.py): no tree forwards; step s runs
+    MTP layer s over the catch-up window (every layer at the same positions and slots, each writing its own KV
+    layer), its ids the previous step's rotated left by one with the previous step's top-1 at the root's row appended
+    (DeepSeek's chain, SGLang's rotate_input_ids), its features the previous layer's outputs (layer 0: the target's).
+    The chain is the S top-1 tokens. Catch-up width 2S: the window starts S-1 positions before the draft's KV end,
+    where the deepest layer's committed KV ends (draft_service/eagle.py)."""
+
+    def run(self, num_seqs: int) -> torch.Tensor:
+        runner, model, shape = self.runner, self.runner.model, self.shape
+        b, q, steps = num_seqs, shape.catch_up, shape.num_steps
+        dev = self.inputs.device
+        x = self.inputs[:b]
+        ids, pos, slots = x[:, :q], x[:, q:2 * q], x[:, 2 * q:3 * q]
+        start, kv_after = x[:, 3 * q], x[:, 3 * q + 1]
+        # One metadata for every layer: the same rows, positions and slots (left-padded causal appends).
+        runner.attn_backend.use_static_metadata(
+            slot_mapping=slots.reshape(-1), block_tables=x[:, self.table_col:].to(torch.int32),
+            query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * q, kv_lens=kv_after.to(torch.int32),
+            prefix_lens=start.to(torch.int32), max_query_len=q)
+        feats = model.project_features(self.features[:b * q])  # (b*q, H)
+        last = torch.arange(b, device=dev) * q + (q - 1)  # the root's row (position C-2) of each sequence
+        tokens = []
+        for s in range(steps):
+            model.active_layer = s  # read while the graph is captured: each step records its own layer's kernels
+            out = model(ids.reshape(-1), pos.reshape(-1), runner.attn_backend, runner.kv_pool, None,
+                        input_features=feats)
+            top = model.compute_logits(out.hidden[last]).argmax(dim=-1)  # (b,) draft ids
+            tokens.append(top)
+            feats = out.hidden  # (b*q, H); padding rows stay in padding rows (row-wise ops, no KV written)
+            ids = torch.cat([ids[:, 1:], self._to_target(top).unsqueeze(1)], dim=1)
+        model.active_layer = 0
+        chain = self._to_target(torch.stack(tokens, dim=1))  # (b, S)
+        parents = (torch.arange(steps, device=dev) - 1).expand(b, -1)
+        count = torch.full((b, 1), steps, dtype=torch.long, device=dev)
+        return torch.cat([chain, parents, count], dim=1)

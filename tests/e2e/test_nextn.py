@@ -1,6 +1,7 @@
 """End to end: `tandem serve --speculative-algorithm NEXTN` on a checkpoint that carries an MTP layer (the bundled
 demo target, copied, with a DeepSeek-V3-layout MTP layer appended to its sharded checkpoint): three real processes,
-no draft model flag; the draft service runs the target's own MTP layer; greedy output equals HF `generate`."""
+no draft model flag; the draft service runs the target's own MTP layer (with two layers: multi-layer EAGLE, one layer
+per draft step, on by default); greedy output equals HF `generate`."""
 from __future__ import annotations
 
 import shutil
@@ -11,19 +12,28 @@ import torch
 import transformers
 
 from tandem.args import DEFAULT_MODEL
+from tandem.cli import build_parser, prepare
+from tandem.launch import commands
 from tests.e2e.test_serve import Stack
 from tests.tiny_models import add_mtp_layers
 
 pytestmark = pytest.mark.slow
 
 
-def test_nextn_serves_the_targets_own_mtp_layer(tmp_path):
+@pytest.mark.parametrize("num_mtp_layers", [1, 2], ids=["one-layer", "multi-layer"])
+def test_nextn_serves_the_targets_own_mtp_layer(tmp_path, num_mtp_layers):
     target = tmp_path / "demo-mtp"
     shutil.copytree(DEFAULT_MODEL, target)
-    add_mtp_layers(str(target), num_layers=1, std=0.02)
-    stack = Stack("--model-path", str(target), "--speculative-algorithm", "NEXTN", "--device", "cpu",
-                  "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
-                  "--speculative-num-draft-tokens", "3")
+    add_mtp_layers(str(target), num_layers=num_mtp_layers, std=0.02)
+    flags = ("--model-path", str(target), "--speculative-algorithm", "NEXTN", "--device", "cpu",
+             "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")
+    parser = build_parser()
+    args = parser.parse_args(["serve", *flags])
+    prepare(args, parser)
+    # two MTP layers and a chain of two steps: multi-layer EAGLE turns itself on (and reaches the draft service)
+    assert args.enable_multi_layer_eagle == (num_mtp_layers == 2)
+    assert ("--enable-multi-layer-eagle" in commands(args)["draft-0"]) == (num_mtp_layers == 2)
+    stack = Stack(*flags)
     try:
         stack.wait_ready()
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")

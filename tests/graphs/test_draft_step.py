@@ -167,3 +167,25 @@ def test_synthetic_head_spends_its_compute_through_the_static_step():
         proposer.release(["a"])
         assert head.runner.num_free_tokens() == head.runner.num_total_tokens()
     assert trees[0] == trees[1]
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_multi_layer_eagle_static_step_matches_eager(tmp_path, steps):
+    """Multi-layer EAGLE's static step (StaticMultiLayerDraftStep: every MTP layer over the catch-up window, one
+    graph) proposes the eager chains at every Propose, through random commit patterns (windows of every width)."""
+    from tests.test_multi_layer_eagle import drive
+    from tests.tiny_models import add_mtp_layers
+
+    target = add_mtp_layers(make_tiny_model("llama", tmp_path), num_layers=3)
+    spec = SpecShape(steps, 1, steps + 1)
+    static_p = EagleProposer(target, target, _config(max_total_tokens=1024), "NEXTN", multi_layer_steps=steps)
+    assert static_p.enable_static_step(spec, max_bs=4)
+    assert not static_p.enable_static_step(SpecShape(steps, 2, steps + 1), max_bs=4)  # chains only
+    eager_p = EagleProposer(target, target, _config(max_total_tokens=1024), "NEXTN", multi_layer_steps=steps)
+    got = [chain for _, _, chain in drive(static_p, spec, 8, seed=steps)]
+    want = [chain for _, _, chain in drive(eager_p, spec, 8, seed=steps)]
+    assert got == want and all(len(chain) == steps for chain in got)
+    # Every Propose (the prompt's catch-up of 5 tokens too when it fits the 2S-wide window)
+    assert static_p._static_steps[spec].num_replays == (8 if 5 <= 2 * steps else 7)
+    static_p.release(["s"])
+    assert static_p.runner.num_free_tokens() == static_p.runner.num_total_tokens()
