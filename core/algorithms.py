@@ -39,6 +39,7 @@ class ShapeRule(enum.Enum):
     NONE = "none"  # no drafts: plain decoding
     BEAM = "beam"  # SGLang's triple: all three or none; topk 1 is a chain (ndt = steps + 1)
     TRIE = "trie"  # the n-gram trie: ndt given, topk := its max BFS breadth, steps := ndt // topk
+    BLOCK = "block"  # one block draft per step (DFLASH): steps = topk = 1, ndt = the block size
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,10 @@ class SpeculativeAlgorithm:
     mtp_draft: str = ""
     proposer: str = ""  # "module:function(build) -> (Proposer, path)", see tandem/services.py DraftBuild
     flags: tuple[AlgorithmFlag, ...] = ()
+    # --speculative-draft-window-size: the proposer keeps a sliding window of this many latest draft KV positions
+    supports_draft_window: bool = False
+    # The error when a required draft (DraftModel.HEAD) has no path: how to get one ("" = the generic message)
+    missing_draft: str = ""
 
     @property
     def needs_features(self) -> bool:
@@ -96,8 +101,12 @@ class SpeculativeAlgorithm:
         return getattr(importlib.import_module(module), function)
 
     def resolve_shape(self, architecture: str | None = None, num_steps: int | None = None, topk: int | None = None,
-                      num_draft_tokens: int | None = None, *, max_bfs_breadth: int = 10) -> tuple[int, int, int]:
-        """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups (sglang_spec.md appendix A, §6.1)."""
+                      num_draft_tokens: int | None = None, *, max_bfs_breadth: int = 10, block_size: int | None = None,
+                      draft_block_size: int | None = None) -> tuple[int, int, int]:
+        """SGLang's (num_steps, topk, num_draft_tokens) defaults and fix-ups (sglang_spec.md appendix A, §6.1, §7.3).
+        block_size: --speculative-dflash-block-size; draft_block_size: the block size of the draft's config."""
+        if self.shape_rule is ShapeRule.BLOCK:
+            return self._resolve_block(num_steps, topk, num_draft_tokens, block_size, draft_block_size)
         if self.shape_rule is ShapeRule.TRIE:
             # The trie decides the shape: topk is the BFS breadth, num_steps only sizes bookkeeping (SGLang: ndt // topk).
             if max_bfs_breadth < 1:
@@ -131,6 +140,50 @@ class SpeculativeAlgorithm:
                 f"num_steps={num_steps}, topk={topk} yield only {capacity}"
             )
         return num_steps, topk, num_draft_tokens
+
+    def _resolve_block(self, num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
+                       block_size: int | None, draft_block_size: int | None) -> tuple[int, int, int]:
+        """SGLang's DFLASH rules: one draft forward per step (steps and topk forced to 1, with a warning);
+        num_draft_tokens is the block size: --speculative-dflash-block-size (an alias; both set must match), else
+        the draft config's block_size, else 16."""
+        if num_steps is not None and num_steps != 1:
+            logger.warning("%s only supports speculative_num_steps == 1; overriding speculative_num_steps=%s to 1.",
+                           self.name, num_steps)
+        if topk is not None and topk != 1:
+            logger.warning("%s only supports speculative_eagle_topk == 1; overriding speculative_eagle_topk=%s to 1.",
+                           self.name, topk)
+        if block_size is not None:
+            if block_size <= 0:
+                raise ValueError(f"{self.name} requires --speculative-dflash-block-size to be positive, got "
+                                 f"{block_size}.")
+            if num_draft_tokens is not None and num_draft_tokens != block_size:
+                raise ValueError("Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but "
+                                 f"they differ. For {self.name} they must match. speculative_num_draft_tokens="
+                                 f"{num_draft_tokens}, speculative_dflash_block_size={block_size}.")
+            num_draft_tokens = block_size
+        if num_draft_tokens is None:
+            num_draft_tokens = draft_block_size
+        if num_draft_tokens is None:
+            num_draft_tokens = 16
+            logger.warning("speculative_num_draft_tokens is not set; defaulting to %d for %s.", num_draft_tokens,
+                           self.name)
+        _check_positive(num_draft_tokens=num_draft_tokens)
+        return 1, 1, num_draft_tokens
+
+    def check_draft_window(self, window_size: int | None, num_draft_tokens: int) -> None:
+        """--speculative-draft-window-size (SGLang's rules): positive, >= the block size, and only for algorithms
+        whose draft keeps a sliding window here."""
+        if window_size is None:
+            return
+        if not self.supports_draft_window:
+            raise ValueError(f"--speculative-draft-window-size is supported for "
+                             f"{_or_list(names(lambda a: a.supports_draft_window))} only, not "
+                             f"speculative_algorithm={self.name}")
+        if window_size <= 0:
+            raise ValueError(f"--speculative-draft-window-size must be positive, got {window_size}.")
+        if window_size < num_draft_tokens:
+            raise ValueError("--speculative-draft-window-size must be >= --speculative-num-draft-tokens (block_size). "
+                             f"window_size={window_size}, block_size={num_draft_tokens}.")
 
     def multi_layer_shape(self, enable: bool | None, num_mtp_layers: int, num_steps: int | None = None,
                           topk: int | None = None, num_draft_tokens: int | None = None, *,
@@ -294,7 +347,21 @@ register(SpeculativeAlgorithm(
 
 # SGLang's algorithms Tandem does not run yet: parsed, then refused at start-up (tandem/compat.py).
 register(SpeculativeAlgorithm("UNO", unsupported="UNO (LoRA self-drafting by the target) is not supported yet"))
-register(SpeculativeAlgorithm("DFLASH", target_features=TargetFeatures.BLOCK_FEATURES, tree=False,
-                              unsupported="DFLASH (block-diffusion drafts) is not supported yet"))
+# DFLASH (block diffusion, runtime/models/dflash.py): the target returns the hidden states of the draft's configured
+# layers; the draft drafts a whole block [bonus, MASK x (B-1)] in one forward; verify is a causal chain.
+register(SpeculativeAlgorithm(
+    "DFLASH", target_features=TargetFeatures.BLOCK_FEATURES, shape_rule=ShapeRule.BLOCK, tree=False,
+    draft_model=DraftModel.HEAD, proposer="draft_service.dflash:build", supports_draft_window=True,
+    missing_draft="DFLASH speculative decoding requires setting --speculative-draft-model-path. Train a DFlash draft "
+                  "for this target with: python -m tools.train_draft --kind dflash --target-model-path TARGET "
+                  "--corpus CORPUS --output-dir DRAFT",
+    flags=(
+        AlgorithmFlag("--speculative-dflash-block-size", "DFLASH: block size (tokens per draft block, the bonus "
+                      "token included); an alias of --speculative-num-draft-tokens, both set must match (default: "
+                      "the draft config's block_size, else 16)", int, forward=False),
+        AlgorithmFlag("--speculative-draft-window-size", "DFLASH: the draft attends to at most this many latest "
+                      "context tokens, in a compact sliding-window draft KV of that many slots per sequence; must "
+                      "be >= the block size (default: the whole context)", int),
+    )))
 register(SpeculativeAlgorithm("DSPARK", tree=False,
                               unsupported="DSPARK (block drafts with ragged verify) is not supported yet"))

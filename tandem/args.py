@@ -248,6 +248,23 @@ def _is_bundled_target(path: str) -> bool:
     return Path(path).resolve() == DEFAULT_MODEL.resolve()
 
 
+def _or(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def _draft_block_size(entry: algorithms.SpeculativeAlgorithm, draft_path: str | None) -> int | None:
+    """The block size a block draft's config.json names (DFLASH: dflash_config.block_size or block_size); None for
+    other algorithms, or when absent or unreadable."""
+    if entry.shape_rule is not algorithms.ShapeRule.BLOCK or not draft_path:
+        return None
+    try:
+        raw = json.loads((Path(draft_path) / "config.json").read_text())
+        block = (raw.get("dflash_config") or {}).get("block_size", raw.get("block_size"))
+        return None if block is None else int(block)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     """(algorithm, num_steps, topk, num_draft_tokens) after SGLang's auto-defaults and checks; aliases become the
     algorithm's name."""
@@ -256,10 +273,15 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     if entry.draft_model is DraftModel.HEAD:
         args.speculative_draft_model_path = draft_model_path(args)  # the bundled target's own head
         if not args.speculative_draft_model_path:
+            if entry.missing_draft:
+                raise SystemExit(f"error: {entry.missing_draft}")
             mtp = " or a target checkpoint with MTP layers (num_nextn_predict_layers)" if entry.mtp_draft else ""
             raise SystemExit(f"error: --speculative-algorithm {algorithm} needs --speculative-draft-model-path "
                              f"(the head){mtp}")
     if not entry.drafts:
+        if getattr(args, "speculative_draft_window_size", None) is not None:
+            raise SystemExit("error: --speculative-draft-window-size needs --speculative-algorithm "
+                             f"{_or(algorithms.names(lambda a: a.supports_draft_window))}")
         if getattr(args, "enable_multi_layer_eagle", None):
             raise SystemExit("error: --enable-multi-layer-eagle needs --speculative-algorithm")
         args.enable_multi_layer_eagle = False
@@ -279,7 +301,10 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
         steps, topk, ndt = chain or entry.resolve_shape(
             read_architecture(model_path(args)), args.speculative_num_steps,
             args.speculative_eagle_topk, args.speculative_num_draft_tokens,
-            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth)
+            max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+            block_size=getattr(args, "speculative_dflash_block_size", None),
+            draft_block_size=_draft_block_size(entry, args.speculative_draft_model_path))
+        entry.check_draft_window(getattr(args, "speculative_draft_window_size", None), ndt)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     args.enable_multi_layer_eagle = chain is not None

@@ -50,10 +50,6 @@ COMPAT_FLAGS = (
                "layers", help="SGLang: MoE all-to-all backend of the draft model"),
     CompatFlag("--speculative-dsa-topk-backend", f"{NOT_HERE}: DeepSeek sparse attention models are not supported",
                help="SGLang: DSA top-k backend of the draft"),
-    CompatFlag("--speculative-draft-window-size", f"{NOT_YET}: sliding-window draft KV (EAGLE-3, DFLASH)", int,
-               help="SGLang: sliding attention window of the draft model"),
-    CompatFlag("--speculative-dflash-block-size", f"{NOT_YET}: DFLASH", int,
-               help="SGLang: DFLASH block size (alias of --speculative-num-draft-tokens)"),
     CompatFlag("--speculative-skip-dp-mlp-sync", f"{NOT_HERE}: there is no data-parallel attention", None, False,
                help="SGLang: skip the DP MLP sync of EAGLE drafts"),
     CompatFlag("--speculative-ngram-external-corpus-path", f"{NOT_YET}: external NGRAM corpora",
@@ -145,6 +141,9 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         args.speculative_adaptive = False
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
+    if (getattr(args, "speculative_dflash_block_size", None) is not None
+            and entry.shape_rule is not algorithms.ShapeRule.BLOCK):
+        notes.append(f"--speculative-dflash-block-size is ignored for {_algo(entry)}: it sizes DFLASH blocks")
     notes += verify_notes(args)
     if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",

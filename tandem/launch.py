@@ -66,7 +66,7 @@ def _spec_flags(args: argparse.Namespace) -> list[str]:
     if not entry.drafts:
         return []
     flags = ["--speculative-algorithm", entry.name]
-    if entry.shape_rule is ShapeRule.BEAM:  # a trie derives steps and topk from its BFS breadth itself
+    if entry.shape_rule is not ShapeRule.TRIE:  # a trie derives steps and topk from its BFS breadth itself
         flags += ["--speculative-num-steps", str(args.speculative_num_steps),
                   "--speculative-eagle-topk", str(args.speculative_eagle_topk)]
     flags += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]

@@ -176,7 +176,8 @@ def _accept_thresholds(args: argparse.Namespace):
 
 
 def _feature_capture(args: argparse.Namespace, runner) -> dict:
-    """Which hidden states the target returns for feature drafts: EAGLE-3 aux layers or EAGLE's final hidden."""
+    """Which hidden states the target returns for feature drafts: EAGLE-3 aux layers, EAGLE's final hidden, or the
+    outputs of a DFLASH draft's target layers."""
     needs = algorithms.get(getattr(args, "speculative_algorithm", None)).target_features
     if needs is TargetFeatures.FINAL_HIDDEN:
         return {"final_norm_features": True}
@@ -188,6 +189,14 @@ def _feature_capture(args: argparse.Namespace, runner) -> dict:
         config = json.loads((Path(args.speculative_draft_model_path) / "config.json").read_text())
         layers = eagle3_capture_layers(runner.model_config.num_layers, eagle3_aux_layer_ids(config))
         return {"feature_layers": layers}
+    if needs is TargetFeatures.BLOCK_FEATURES:  # DFLASH: the outputs of the draft's target_layer_ids
+        from runtime.models.dflash import DFlashConfig, dflash_capture_layers
+        from runtime.models.eagle import read_config
+
+        config = DFlashConfig.from_raw(read_config(args.speculative_draft_model_path), runner.model_config,
+                                       source=args.speculative_draft_model_path)
+        return {"feature_layers": dflash_capture_layers(list(config.target_layer_ids),
+                                                        runner.model_config.num_layers)}
     return {}
 
 

@@ -46,7 +46,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
-                      multi_layer: bool = False):
+                      multi_layer: bool = False, draft_window_size: int | None = None):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -56,7 +56,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
     use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
     accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
-    multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle)."""
+    multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle);
+    draft_window_size: a DFLASH draft's --speculative-draft-window-size."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -76,6 +77,11 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                                  multi_layer_steps=num_steps if multi_layer else 0)
         capture = ({"feature_layers": proposer.target_capture_layers} if algorithm == "EAGLE3"
                    else {"final_norm_features": True})
+    elif algorithm == "DFLASH":  # block draft: the target returns the draft's target layers
+        from draft_service.dflash import DFlashProposer
+
+        proposer = DFlashProposer(str(target_path), str(draft_path), engine_config, window_size=draft_window_size)
+        capture = {"feature_layers": proposer.target_capture_layers}
     servers = []
     engine = TargetEngine(target_runner, **capture,
                           **({"accept_thresholds": accept_thresholds} if accept_thresholds is not None else {}))
@@ -95,7 +101,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         from draft_service.ngram_draft import NgramDraft
 
         proposer = NgramDraft(NgramConfig(num_draft_tokens=num_draft_tokens, **(ngram_kwargs or {})))
-    if proposer is not None and static_steps and algorithm != "NGRAM":
+    if proposer is not None and static_steps and algorithm not in ("NGRAM", "DFLASH"):
         from draft_service.proposer import SpecShape
 
         assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)

@@ -124,3 +124,24 @@ def add_mtp_layers(path: str, num_layers: int = 2, seed: int = 5, std: float = 0
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return path
+
+
+def make_tiny_dflash_draft(target_path: str, dir: str | os.PathLike, *, block_size: int = 4, num_layers: int = 1,
+                           seed: int = 3, std: float = 0.2, **config: Any) -> str:
+    """A random DFlash draft (runtime/models/dflash.py layout: no embedding, no lm_head) for a tiny target, saved as a
+    real checkpoint folder (config.json + model.safetensors) under `dir`; config: build_raw_config overrides."""
+    from runtime.config import ModelConfig
+    from runtime.models.dflash import DFlashConfig, DFlashDraftModel, build_raw_config, save_dflash_draft
+
+    target = ModelConfig.from_pretrained(target_path)
+    raw = build_raw_config(target, num_layers=num_layers, num_heads=4, num_kv_heads=2, block_size=block_size,
+                           mask_token_id=config.pop("mask_token_id", target.vocab_size - 1), **config)
+    model = DFlashDraftModel(DFlashConfig.from_raw(raw, target))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
+    path = os.path.join(os.fspath(dir), "dflash")
+    save_dflash_draft(model, raw, path)
+    return path

@@ -16,6 +16,7 @@ _LAZY: dict[str, str] = {
     # Feature-based draft heads: built by their own loaders (they share tensors with the target), see eagle*.py.
     "LlamaForCausalLMEagle": "runtime.models.eagle",
     "LlamaForCausalLMEagle3": "runtime.models.eagle3",
+    "DFlashDraftModel": "runtime.models.dflash",  # block draft, built by load_dflash_draft (target embed/lm_head)
 }
 
 

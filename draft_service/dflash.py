@@ -1,0 +1,211 @@
+"""DFLASH proposer: a block-diffusion draft (runtime/models/dflash.py) fed by the target's features of the configured
+layers, drafting a chain of B-1 tokens per Propose in one forward (B = num_draft_tokens, the block size).
+
+Draft KV holds target features, never draft tokens: each committed token's feature row (arriving with the Propose
+after the token gained target KV) is projected once — fc + hidden_norm, then per draft layer k_proj/v_proj, k_norm and
+RoPE at the token's position — and written to this proposer's paged KV pool ("context KV injection", lazily, batched
+over the sequences of a Propose). A Propose at committed length C attends over the context positions [0, C-1) (or
+the last --speculative-draft-window-size of them: a ring of that many KV slots per sequence, so the draft KV of a
+sequence stays bounded) plus the block [t_{C-1}, MASK x (B-1)] at positions C-1..C+B-2 without a causal mask; rows
+1..B-1 give the chain, taken greedily (the target verifies it exactly, greedy or by target-only sampling).
+Knows nothing about how the target produced the features or what gets committed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from draft_service.proposer import Proposer, ProposeInput, StaleSequence
+from runtime.config import EngineConfig
+from runtime.kv_cache import BlockManager, OutOfKVBlocks
+from runtime.kv_pool import KVPool
+from runtime.models.dflash import dflash_capture_layers, load_dflash_draft
+from runtime.speculative.tree import DraftTree
+
+logger = logging.getLogger(__name__)
+_CTX_ALIGN = 16  # padded context length granularity of a batched block forward (fewer distinct shapes)
+
+
+@dataclass
+class _SeqContext:
+    end: int = 0  # context KV written for committed positions [0, end) (the window keeps the last W of them)
+    pending_start: int = 0  # first position of `pending` (== end while rows are pending)
+    pending: torch.Tensor | None = None  # (n, K*H_t) target features of positions [end, end + n), not injected yet
+
+
+class DFlashProposer(Proposer):
+    algorithm = "DFLASH"
+    needs_features = True
+
+    def __init__(self, target_path: str, draft_path: str, engine_config: EngineConfig,
+                 window_size: int | None = None) -> None:
+        """target_path: the target checkpoint (its embedding and lm_head are the draft's); draft_path: the DFlash
+        draft; window_size: attend to at most this many latest context positions, with that many KV slots per
+        sequence (--speculative-draft-window-size; None = the whole context)."""
+        super().__init__()
+        if window_size is not None and window_size < 1:
+            raise ValueError(f"--speculative-draft-window-size must be positive, got {window_size}")
+        from runtime.config import ModelConfig
+
+        target = ModelConfig.from_pretrained(target_path)
+        self.model = load_dflash_draft(draft_path, target_path, engine_config)
+        config = self.model.dflash
+        self.dtype = self.model.fc.weight.dtype
+        self.device = device = torch.device(engine_config.device)
+        self.window_size = window_size
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.max_context_len = target.max_position_embeddings
+        self.target_capture_layers = dflash_capture_layers(list(config.target_layer_ids), target.num_layers)
+        self.feature_size = config.feature_size
+        m = config.model
+        self.block_manager = BlockManager(engine_config.resolved_num_kv_blocks, engine_config.block_size)
+        self.kv_pool = KVPool(m.num_layers, engine_config.resolved_num_kv_blocks, engine_config.block_size,
+                              m.num_kv_heads, m.head_dim, self.dtype, device)
+        self._ctx: dict[str, _SeqContext] = {}
+
+    # ---- bookkeeping hooks -----------------------------------------------------------------------------------------
+    def memory(self) -> tuple[int, int]:
+        bm = self.block_manager
+        return bm.num_free_blocks() * bm.block_size, bm.num_blocks * bm.block_size
+
+    def kv_slots_held(self, seq_id: str) -> int:
+        """KV slots the sequence holds (bounded by the window when one is set)."""
+        return self.block_manager.capacity(seq_id) if self.block_manager.has_seq(seq_id) else 0
+
+    def _on_prefill(self, seq_id: str) -> None:
+        self._ctx[seq_id] = _SeqContext()
+        self.block_manager.allocate_seq(seq_id)
+
+    def _on_release(self, seq_id: str) -> None:
+        self._ctx.pop(seq_id, None)
+        if self.block_manager.has_seq(seq_id):
+            self.block_manager.free_seq(seq_id)
+
+    def _on_rollback(self, seq_id: str, kept_len: int) -> None:
+        """Keep context for positions [0, kept_len - 1): the feature of the last kept token arrives with the tail."""
+        ctx = self._ctx.get(seq_id)
+        if ctx is None:
+            raise StaleSequence("DFLASH draft state of this sequence was dropped")
+        keep = max(0, kept_len - 1)
+        if ctx.pending is not None and keep < ctx.pending_start + ctx.pending.shape[0]:
+            rows = max(0, keep - ctx.pending_start)
+            ctx.pending = ctx.pending[:rows] if rows else None
+        if keep < ctx.end:
+            if self.window_size is not None and ctx.end > self.window_size:
+                # The ring already overwrote positions a shorter context would attend to again.
+                raise StaleSequence("rollback past the DFLASH draft window")
+            ctx.end = keep
+            self.block_manager.truncate(seq_id, keep)
+            ctx.pending_start = keep
+
+    def _on_features(self, seq_id: str, features: torch.Tensor) -> None:
+        """Rows of positions [C-1-n, C-1), C = the committed length now; injected at the next draft."""
+        ctx = self._ctx[seq_id]
+        start = len(self._tokens[seq_id]) - 1 - features.shape[0]
+        if features.shape[1] != self.feature_size:
+            raise ValueError(f"DFLASH features must be {self.feature_size} wide (the draft's target layers x target "
+                             f"hidden size), got {features.shape[1]}")
+        have = ctx.end if ctx.pending is None else ctx.pending_start + ctx.pending.shape[0]
+        if start > have:
+            raise ValueError(f"seq {seq_id!r}: target features start at position {start}, the draft has {have}")
+        first = ctx.end if ctx.pending is None else ctx.pending_start
+        if start < first:  # re-sent rows of positions already injected or pending: keep those
+            features, start = features[first - start:], first
+        if not features.shape[0]:
+            return
+        if ctx.pending is None:
+            ctx.pending, ctx.pending_start = features, start
+        else:
+            ctx.pending = torch.cat([ctx.pending[:start - ctx.pending_start], features])
+
+    # ---- drafting ----------------------------------------------------------------------------------------------------
+    def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
+        trees: dict[str, DraftTree] = {}
+        with torch.inference_mode():
+            ready = self._inject([inp.seq_id for inp in inputs])
+            groups: dict[int, list[ProposeInput]] = defaultdict(list)
+            for inp in inputs:
+                if inp.seq_id in ready and inp.spec.num_draft_tokens >= 2 and inp.committed_len < self.max_context_len:
+                    groups[inp.spec.num_draft_tokens].append(inp)
+            for block, group in groups.items():
+                trees.update(self._draft_blocks(group, block))
+        return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+
+    def _inject(self, seq_ids: list[str]) -> set[str]:
+        """Write the pending context features of these sequences into the draft KV (one projection for all); returns
+        the sequences whose context is complete. A sequence that runs out of KV blocks is dropped (its next Propose is
+        answered STALE and the gateway re-syncs it; meanwhile its steps are target-only)."""
+        bm, window = self.block_manager, self.window_size
+        rows, positions, slots, ready = [], [], [], set()
+        for seq_id in seq_ids:
+            ctx = self._ctx[seq_id]
+            if ctx.pending is None:
+                ready.add(seq_id)
+                continue
+            feats, start = ctx.pending, ctx.pending_start
+            end = start + feats.shape[0]
+            if window is not None and feats.shape[0] > window:  # only the last W positions are ever read
+                feats, start = feats[-window:], end - window
+            try:
+                bm.ensure_capacity(seq_id, end if window is None else min(end, window))
+            except OutOfKVBlocks:
+                logger.warning("DFLASH draft KV full: seq %s drafts nothing until it is re-synced", seq_id)
+                self._on_release(seq_id)
+                continue
+            index = list(range(start, end)) if window is None else [p % window for p in range(start, end)]
+            slots.extend(bm.slot(seq_id, i) for i in index)
+            rows.append(feats)
+            positions.extend(range(start, end))
+            ctx.end, ctx.pending = end, None
+            ready.add(seq_id)
+        if rows:
+            feats = torch.cat(rows).to(self.device, self.dtype)  # (N, K*H_t)
+            pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+            for layer, (k, v) in enumerate(self.model.context_kv(feats, pos)):  # (N, kvh, hd) each
+                self.kv_pool.write(layer, slot_t, k, v)
+        return ready
+
+    def _draft_blocks(self, group: list[ProposeInput], block: int) -> dict[str, DraftTree]:
+        """One forward over every sequence's block [t_{C-1}, MASK x (block-1)] at positions C-1..; the argmax of rows
+        1.. is the chain (cut where it would pass the context length)."""
+        bm, window = self.block_manager, self.window_size
+        lens = [self._ctx[inp.seq_id].end if window is None else min(self._ctx[inp.seq_id].end, window)
+                for inp in group]
+        width = max(_CTX_ALIGN, -(-max(lens) // _CTX_ALIGN) * _CTX_ALIGN)  # padded context length
+        b = len(group)
+        index = torch.zeros(b, width, dtype=torch.int64)
+        for i, (inp, n) in enumerate(zip(group, lens)):
+            if n:
+                index[i, :n] = torch.tensor(bm.slots(inp.seq_id, 0, n))
+        index = index.to(self.device)
+        visible = torch.arange(width + block).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, width + block)
+        visible[:, width:] = True  # the whole block, both directions
+        mask = visible.to(self.device).view(b, 1, 1, width + block).expand(b, 1, block, width + block)
+        ids = torch.full((b, block), self.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = torch.tensor([self._tokens[inp.seq_id][-1] for inp in group])
+        positions = torch.tensor([inp.committed_len - 1 for inp in group]).unsqueeze(1) + torch.arange(block)
+        context = [(self.kv_pool.k(layer)[index], self.kv_pool.v(layer)[index])  # (b, width, kvh, hd) each
+                   for layer in range(self.model.num_layers)]
+        hidden = self.model(ids.to(self.device), positions.to(self.device), context, mask)  # (b, block, H)
+        drafts = self.model.compute_logits(hidden[:, 1:]).argmax(dim=-1).tolist()  # (b, block - 1): one readback
+        trees = {}
+        for inp, chain in zip(group, drafts):
+            chain = chain[:self.max_context_len - inp.committed_len]  # draft i sits at position C-1+i
+            trees[inp.seq_id] = DraftTree(chain, list(range(-1, len(chain) - 1)))
+        return trees
+
+
+def build(build) -> tuple[DFlashProposer, str]:
+    """Registry factory (core/algorithms.py): the DFlash draft of --speculative-draft-model-path with the target's
+    embedding and lm_head. build: tandem.services.DraftBuild."""
+    args = build.args
+    path = str(args.speculative_draft_model_path)
+    engine_config = build.engine_config()
+    build.loading(path, engine_config)
+    return DFlashProposer(build.target_path, path, engine_config,
+                          window_size=getattr(args, "speculative_draft_window_size", None)), path
