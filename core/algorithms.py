@@ -176,9 +176,9 @@ class SpeculativeAlgorithm:
         if window_size is None:
             return
         if not self.supports_draft_window:
-            raise ValueError(f"--speculative-draft-window-size is supported for "
-                             f"{_or_list(names(lambda a: a.supports_draft_window))} only, not "
-                             f"speculative_algorithm={self.name}")
+            raise ValueError(f"--speculative-draft-window-size: not supported yet for speculative_algorithm="
+                             f"{self.name} (the sliding-window draft KV is built for "
+                             f"{_or_list(names(lambda a: a.supports_draft_window))})")
         if window_size <= 0:
             raise ValueError(f"--speculative-draft-window-size must be positive, got {window_size}.")
         if window_size < num_draft_tokens:

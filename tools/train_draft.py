@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Train a draft for ANY Llama-family target folder from a text corpus: a STANDALONE draft (a small Llama with the
 target's tokenizer and vocabulary), an EAGLE-3 head or an EAGLE-2 head (tools/train_eagle3.py, online: the target's
-features every step), on CPU or GPU, with a progress bar. Writes an HF folder the matching proposer loads, with
+features every step), MTP layers, or a DFLASH block-diffusion draft (tools/train_dflash.py, online), on CPU or GPU, with a progress bar. Writes an HF folder the matching proposer loads, with
 training_info.json.
 
     python -m tools.train_draft --kind standalone --target-model-path T --corpus src/ --output-dir D --minutes 10
     python -m tools.train_draft --kind eagle3 --target-model-path T --corpus corpus.txt --output-dir H --device cuda
     python -m tools.train_draft --kind eagle --target-model-path T --corpus src/ --output-dir H --threads 2
     python -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path T --corpus src/ --output-dir T
+    python -m tools.train_draft --kind dflash --target-model-path T --corpus src/ --output-dir D --device cuda
 
 The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted, less --exclude-glob
 patterns and the files of --exclude-files, e.g. a target's heldout_files.txt); documents are joined with the
@@ -102,9 +103,9 @@ def machine(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp"], required=True,
+    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp", "dflash"], required=True,
                    help="what to train (mtp: one MTP layer appended to the target checkpoint itself, --output-dir "
-                        "must be the target's folder)")
+                        "must be the target's folder; dflash: a DFLASH block-diffusion draft)")
     p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
     p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
     p.add_argument("--output-dir", required=True, help="where the draft folder is written")
@@ -140,6 +141,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4]; EAGLE-3 only)")
     g.add_argument("--feature-loss-weight", type=float, default=1.0,
                    help="EAGLE-2 only: weight of the smooth-L1 regression of the target's next feature")
+    g = p.add_argument_group("DFLASH draft (compact defaults)")
+    g.add_argument("--dflash-num-layers", type=int, default=1, help="draft decoder layers")
+    g.add_argument("--dflash-num-heads", type=int, default=4, help="draft attention heads")
+    g.add_argument("--dflash-num-kv-heads", type=int, default=1, help="draft KV heads (GQA)")
+    g.add_argument("--dflash-intermediate-size", type=int, default=None,
+                   help="draft FFN width (default: the target's hidden size)")
+    g.add_argument("--dflash-block-size", type=int, default=8,
+                   help="block size written to the draft config (the served --speculative-num-draft-tokens default)")
+    g.add_argument("--dflash-num-blocks", type=int, default=8, help="training blocks (random anchors) per window")
+    g.add_argument("--dflash-target-layer-ids", type=int, nargs="+", default=None,
+                   help="target layers whose outputs are the context features (default: evenly spaced over "
+                        "[1, L-3], up to 3)")
+    g.add_argument("--dflash-mask-token-id", type=int, default=None,
+                   help="target-vocabulary id filling the block after the bonus token (default: the target's pad "
+                        "token, else its last id)")
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -177,8 +193,19 @@ def main(argv: list[str] | None = None) -> None:
                           time_budget_s=args.minutes * 60, bf16_autocast=bf16, log_every=20, progress_bar=True,
                           save_dtype=args.save_dtype, seed=args.seed, device=device,
                           num_mtp_layers=args.num_mtp_layers if args.kind == "mtp" else 1)
-        train = {"eagle3": train_eagle3_online, "eagle": train_eagle_online, "mtp": train_mtp_online}[args.kind]
-        info = train(target, stream, str(out), cfg, args.kind)
+        if args.kind == "dflash":
+            from tools.train_dflash import DFlashTrainConfig, train_dflash_online
+
+            shape = DFlashTrainConfig(num_layers=args.dflash_num_layers, num_heads=args.dflash_num_heads,
+                                      num_kv_heads=args.dflash_num_kv_heads,
+                                      intermediate_size=args.dflash_intermediate_size,
+                                      block_size=args.dflash_block_size, num_blocks=args.dflash_num_blocks,
+                                      target_layer_ids=args.dflash_target_layer_ids,
+                                      mask_token_id=args.dflash_mask_token_id)
+            info = train_dflash_online(target, stream, str(out), cfg, shape)
+        else:
+            train = {"eagle3": train_eagle3_online, "eagle": train_eagle_online, "mtp": train_mtp_online}[args.kind]
+            info = train(target, stream, str(out), cfg, args.kind)
     info = dict(kind=args.kind, target=str(args.target_model_path), corpus=str(args.corpus),
                 corpus_tokens=stream.numel(), tokens_seen=info["steps"] * args.batch_size * args.seq_len,
                 device=device, machine=machine(device), training=info, total_wall_time_s=time.time() - start,
