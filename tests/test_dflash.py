@@ -274,3 +274,96 @@ def test_launcher_passes_the_block_shape_and_window_to_the_model_services(pair, 
     for flag, value in (("--speculative-num-steps", "1"), ("--speculative-eagle-topk", "1"),
                         ("--speculative-num-draft-tokens", "6"), ("--speculative-draft-window-size", "32")):
         assert draft[draft.index(flag) + 1] == value
+
+
+# ---------------------------------------------------------------- the trainer
+def test_training_blocks_are_the_served_blocks(pair):
+    """The trainer's many-blocks-per-window forward gives, for every anchor a, the logits the served draft gives at
+    committed length a+1 (context features of positions < a, block [t_a, MASK...]): what is trained is served."""
+    from tools.train_dflash import block_logits
+
+    target, draft, hf = pair
+    model = load_dflash_draft(draft, target, ENGINE)
+    tokens = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(2))
+    feats = torch.stack([hf_features(hf, row.tolist(), [0, 2]) for row in tokens])  # (2, 24, 2H)
+    anchors = torch.tensor([[1, 9, 20], [5, 6, 14]])
+    with torch.no_grad():
+        got = block_logits(model, tokens, feats, anchors, 4)  # (2, 3, 3, V)
+    for i in range(2):
+        for j, a in enumerate(anchors[i].tolist()):
+            committed = tokens[i, :a + 1].tolist()
+            want = dense_drafts(model, committed, feats[i], 4)
+            assert got[i, j].argmax(-1).tolist() == want
+            ref = dense_logits(model, committed, feats[i], 4)
+            torch.testing.assert_close(got[i, j], ref, atol=1e-4, rtol=1e-4)
+
+
+def dense_logits(model, tokens: list[int], feats: torch.Tensor, block: int) -> torch.Tensor:
+    c = len(tokens)
+    pos = torch.arange(c - 1)
+    context = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in model.context_kv(feats[:c - 1], pos)]
+    ids = torch.tensor([[tokens[-1]] + [model.dflash.mask_token_id] * (block - 1)])
+    mask = torch.ones(1, 1, block, c - 1 + block, dtype=torch.bool)
+    with torch.no_grad():
+        hidden = model(ids, torch.arange(c - 1, c - 1 + block).unsqueeze(0), context, mask)
+    return model.compute_logits(hidden[0, 1:])
+
+
+def test_train_draft_cli_writes_a_compact_draft_the_proposer_loads(tmp_path):
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from tools.lm_data import train_tokenizer
+    from tools.train_draft import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 10)
+    target = make_tiny_model("llama", tmp_path / "target", num_hidden_layers=4)
+    train_tokenizer([corpus.read_text()], 320, Path(target))
+    out = tmp_path / "dflash"
+    main(["--kind", "dflash", "--target-model-path", target, "--corpus", str(corpus), "--output-dir", str(out),
+          "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--dflash-block-size", "5"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_hidden_layers"] == 1
+    assert cfg["num_key_value_heads"] == 1 and cfg["intermediate_size"] == 64  # compact defaults
+    assert cfg["dflash_config"]["block_size"] == 5 and cfg["dflash_config"]["target_layer_ids"] == [1]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.k_norm.weight"} <= names
+    assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["kind"] == "dflash" and info["training"]["steps"] == 3
+    proposer = DFlashProposer(target, str(out), ENGINE)
+    assert proposer.block_size == 5 and proposer.target_capture_layers == [2]
+
+
+async def test_trained_draft_gets_drafts_accepted_more_than_a_random_one(tmp_path):
+    """train_dflash_online on the target's own greedy continuations (a small vocabulary keeps it quick on CPU): the
+    trained draft's chains get accepted through the services far more often than a random draft's."""
+    from tools.train_dflash import DFlashTrainConfig, train_dflash_online
+    from tools.train_eagle3 import TrainConfig
+
+    target = make_tiny_model("llama", tmp_path / "target", num_hidden_layers=4, vocab_size=32)
+    hf = load_hf_model(target)
+    gen = torch.Generator().manual_seed(11)
+    starts = [torch.randint(3, 32, (4,), generator=gen).tolist() for _ in range(16)]
+    stream = torch.tensor([t for p in starts for t in p + hf_greedy(hf, p, 44)], dtype=torch.int32)
+    stats = train_dflash_online(hf, stream, str(tmp_path / "trained"),
+                                TrainConfig(steps=400, batch_size=8, seq_len=32, lr=1e-2),
+                                DFlashTrainConfig(block_size=4, num_blocks=8))
+    assert stats["steps"] == 400
+    random_draft = make_tiny_dflash_draft(target, tmp_path / "random", block_size=4)
+
+    async def accepted_per_step(draft) -> float:
+        async with local_stack(target, algorithm="DFLASH", draft_path=draft, num_steps=1, topk=1,
+                               num_draft_tokens=4) as scheduler:
+            accepted = steps = 0
+            for i, prompt in enumerate(starts[:4]):
+                got, usage, _ = await generate_ids(scheduler, prompt, 24, request_id=f"t{i}")
+                assert got == hf_greedy(hf, prompt, 24)
+                accepted, steps = accepted + usage.accepted_draft_tokens, steps + usage.verify_steps
+            return accepted / steps
+
+    trained, baseline = await accepted_per_step(str(tmp_path / "trained")), await accepted_per_step(random_draft)
+    assert trained > 0.1 and trained > 3 * baseline, (trained, baseline)

@@ -97,34 +97,41 @@ def train_dflash_online(target: torch.nn.Module, stream: torch.Tensor, output_di
 def dflash_block_loss(model, embed: torch.Tensor, tokens: torch.Tensor, feats: torch.Tensor, labels: torch.Tensor,
                       config, *, shape: DFlashTrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens (B, L), feats (B, L, K*H) the target features of every position, labels (B, L) its greedy next token
-    after each position. num_blocks anchors a per window, a in [1, L - block]: block rows [t_a, MASK...] at positions
-    a..a+block-1 attend to context positions < a and to their own block. Returns (loss, row-1 accuracy)."""
+    after each position; num_blocks random anchors a in [1, L - block] per window. Row i of the block at a (position
+    a+i) is labelled with the target's choice after position a+i-1. Returns (loss, row-1 accuracy)."""
     b, length = tokens.shape
-    block, nb = shape.block_size, shape.num_blocks
-    device = tokens.device
-    anchors = torch.randint(1, length - block + 1, (b, nb), device=device)  # (B, nb)
-    offsets = torch.arange(block, device=device)
-    positions = (anchors.unsqueeze(-1) + offsets).flatten(1)  # (B, nb*block)
-    ids = torch.full_like(positions, model.dflash.mask_token_id)
-    ids.view(b, nb, block)[:, :, 0] = tokens.gather(1, anchors)
-    q = nb * block
-    ctx_cols = torch.arange(length, device=device)
-    sees_ctx = ctx_cols.view(1, 1, 1, length) < anchors.view(b, nb, 1, 1)  # (B, nb, 1, L)
-    sees_ctx = sees_ctx.expand(b, nb, block, length).reshape(b, q, length)
-    query_block = torch.arange(q, device=device) // block
-    sees_block = (query_block.view(q, 1) == query_block.view(1, q)).expand(b, q, q)
-    mask = torch.cat([sees_ctx, sees_block], dim=-1).unsqueeze(1)  # (B, 1, Q, L + Q)
-    context = model.context_kv(feats, ctx_cols.expand(b, length))
-    hidden = model(ids, positions, context, mask).view(b, nb, block, -1)[:, :, 1:]  # (B, nb, block-1, H)
-    logits = model.compute_logits(hidden)  # (B, nb, block-1, V)
-    # Row i (position a+i) is labelled with the target's greedy choice after position a+i-1.
-    want = labels.gather(1, (positions.view(b, nb, block)[:, :, 1:] - 1).flatten(1)).view(b, nb, block - 1)
-    weights = shape.row_decay ** torch.arange(block - 1, device=device, dtype=torch.float32)
-    losses = F.cross_entropy(logits.flatten(0, 2), want.flatten(), reduction="none").view(b, nb, block - 1)
+    block = shape.block_size
+    anchors = torch.randint(1, length - block + 1, (b, shape.num_blocks), device=tokens.device)  # (B, nb)
+    logits = block_logits(model, tokens, feats, anchors, block)  # (B, nb, block-1, V)
+    rows = anchors.unsqueeze(-1) + torch.arange(block - 1, device=tokens.device)  # (B, nb, block-1): a+i-1
+    want = labels.gather(1, rows.flatten(1)).view_as(rows)
+    weights = shape.row_decay ** torch.arange(block - 1, device=tokens.device, dtype=torch.float32)
+    losses = F.cross_entropy(logits.flatten(0, 2), want.flatten(), reduction="none").view_as(rows)
     loss = (losses * weights).sum(-1).mean() / weights.sum()
     with torch.no_grad():
         acc = (logits[:, :, 0].argmax(-1) == want[:, :, 0]).float().mean()
     return loss, acc
+
+
+def block_logits(model, tokens: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """Draft logits of rows 1..block-1 of a block at each anchor, all blocks of a window in one forward: the block
+    [t_a, MASK...] at positions a..a+block-1 attends to the context features of positions < a and to its own block
+    (what the proposer computes at committed length a+1). tokens (B, L), feats (B, L, K*H), anchors (B, nb)
+    -> (B, nb, block-1, V)."""
+    b, length = tokens.shape
+    nb, device = anchors.shape[1], tokens.device
+    positions = (anchors.unsqueeze(-1) + torch.arange(block, device=device)).flatten(1)  # (B, nb*block)
+    ids = torch.full_like(positions, model.dflash.mask_token_id)
+    ids.view(b, nb, block)[:, :, 0] = tokens.gather(1, anchors)
+    q = nb * block
+    ctx_cols = torch.arange(length, device=device)
+    sees_ctx = (ctx_cols.view(1, 1, 1, length) < anchors.view(b, nb, 1, 1)).expand(b, nb, block, length)
+    query_block = torch.arange(q, device=device) // block
+    sees_block = (query_block.view(q, 1) == query_block.view(1, q)).expand(b, q, q)
+    mask = torch.cat([sees_ctx.reshape(b, q, length), sees_block], dim=-1).unsqueeze(1)  # (B, 1, Q, L + Q)
+    context = model.context_kv(feats, ctx_cols.expand(b, length))
+    hidden = model(ids, positions, context, mask).view(b, nb, block, -1)[:, :, 1:]  # (B, nb, block-1, H)
+    return model.compute_logits(hidden)
 
 
 def _init_weights(model, std: float = 0.02) -> None:
