@@ -349,9 +349,14 @@ async def test_trained_draft_gets_drafts_accepted_more_than_a_random_one(tmp_pat
     gen = torch.Generator().manual_seed(11)
     starts = [torch.randint(3, 32, (4,), generator=gen).tolist() for _ in range(16)]
     stream = torch.tensor([t for p in starts for t in p + hf_greedy(hf, p, 44)], dtype=torch.int32)
-    stats = train_dflash_online(hf, stream, str(tmp_path / "trained"),
-                                TrainConfig(steps=400, batch_size=8, seq_len=32, lr=1e-2),
-                                DFlashTrainConfig(block_size=4, num_blocks=8))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny ops: one thread is several times faster than two contended ones
+    try:
+        stats = train_dflash_online(hf, stream, str(tmp_path / "trained"),
+                                    TrainConfig(steps=400, batch_size=8, seq_len=32, lr=1e-2),
+                                    DFlashTrainConfig(block_size=4, num_blocks=8))
+    finally:
+        torch.set_num_threads(threads)
     assert stats["steps"] == 400
     random_draft = make_tiny_dflash_draft(target, tmp_path / "random", block_size=4)
 
