@@ -87,12 +87,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-algorithm", type=str.upper, default=None,
                    choices=algorithms.choices(),
                    help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head), NGRAM "
-                        "(n-gram trie), SYNTHETIC (synthetic acceptance, benchmarks only: see --synthetic-*); "
+                        "(n-gram trie), DFLASH (block-diffusion draft fed by target layers), SYNTHETIC (synthetic "
+                        "acceptance, benchmarks only: see --synthetic-*); "
                         f"{', '.join(a.name for a in algorithms.ALGORITHMS.values() if a.unsupported)} are parsed but not supported yet; unset or NONE = plain "
                         "decoding")
     g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
                    default=None, help="draft model folder: a small LLM for STANDALONE (default: the bundled demo "
-                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3 (EAGLE3 and EAGLE "
+                                      "draft), a published EAGLE/EAGLE-3 head for EAGLE/EAGLE3, a DFlash draft for "
+                                      "DFLASH (EAGLE3 and EAGLE "
                                       "default: the bundled demo target's heads, when --model-path is the bundled "
                                       "target)")
     g.add_argument("--speculative-token-map", default=None,

@@ -229,8 +229,8 @@ def test_block_size_flag_is_an_alias_of_num_draft_tokens(pair, draft_dir):
     args = _prepare(*base, "--speculative-num-draft-tokens", "6", "--speculative-dflash-block-size", "6")
     assert args.speculative_num_draft_tokens == 6
     message = _refused(*base, "--speculative-num-draft-tokens", "8", "--speculative-dflash-block-size", "6")
-    assert message == ("error: Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but they "
-                       "differ. For DFLASH they must match. speculative_num_draft_tokens=8, "
+    assert message == ("error: Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but "
+                       "they differ. For DFLASH they must match. speculative_num_draft_tokens=8, "
                        "speculative_dflash_block_size=6.")
     assert _refused(*base, "--speculative-dflash-block-size", "0") == (
         "error: DFLASH requires --speculative-dflash-block-size to be positive, got 0.")

@@ -4,8 +4,8 @@ a final `norm`; no embedding and no lm_head of its own (the target's, loaded fro
 
 Math of one draft block at positions s..s+B-1 (s = the bonus token's position): queries come from the block's
 embeddings [bonus, MASK x (B-1)]; every layer attends over the context keys/values — k_proj/v_proj of
-ctx = hidden_norm(fc(target features)) of the committed tokens before s, k-normed and RoPE'd at their positions ("context
-KV injection", the same ctx for every layer) — and over the whole block, without a causal mask inside it. Rows
+ctx = hidden_norm(fc(target features)) of the committed tokens before s, k-normed and RoPE'd at their positions
+("context KV injection", the same ctx for every layer) — and over the whole block, without a causal mask inside it. Rows
 1..B-1 of lm_head(norm(h)) are the B-1 draft tokens. Dense attention with an explicit mask (SDPA), so one module
 serves the draft service (context K/V cached) and training (context K/V recomputed, many blocks per sequence).
 
