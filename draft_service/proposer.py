@@ -117,7 +117,7 @@ class Proposer(abc.ABC):
     def prefill(self, seq_id: str, token_ids: list[int], features: torch.Tensor | None = None) -> Status:
         """features: (len(token_ids) - 1, F), row i = the target feature of token_ids[i] (feature drafts only)."""
         self.release([seq_id])
-        if self.needs_features and not _rows_ok(features, max(len(token_ids) - 1, 0)):
+        if self.needs_features and not _rows_ok(features, max(len(token_ids) - 1, 0), self._feature_width):
             return Status.INVALID
         self._tokens[seq_id] = list(token_ids)
         self._on_prefill(seq_id)
@@ -133,8 +133,9 @@ class Proposer(abc.ABC):
             outputs.append(out)
             tokens = self._tokens.get(inp.seq_id)
             start = inp.committed_len - len(inp.new_token_ids)
-            if self.needs_features and not _rows_ok(inp.features, len(inp.new_token_ids)):
-                out.status, out.error = Status.INVALID, "features must be (len(new_token_ids), F)"
+            if self.needs_features and not _rows_ok(inp.features, len(inp.new_token_ids), self._feature_width):
+                width = self._feature_width or "F"
+                out.status, out.error = Status.INVALID, f"features must be (len(new_token_ids), {width})"
                 continue
             if tokens is None or start < 0 or start > len(tokens):
                 out.status, out.error = Status.STALE, "unknown sequence or committed tokens missing"
@@ -205,6 +206,11 @@ class Proposer(abc.ABC):
             kept.append(ProposeInput(inp.seq_id, inp.committed_len + 1, [*inp.new_token_ids, token], inp.spec))
         return kept
 
+    @property
+    def _feature_width(self) -> int | None:
+        """Width every feature row must have (a feature draft's `feature_size`); None = not checked here."""
+        return getattr(self, "feature_size", None)
+
     # Hooks for subclasses.
     def _model_kv_len(self, seq_id: str) -> int | None:
         """Committed positions the draft model's KV already covers for this sequence (0 if none); None for
@@ -235,7 +241,8 @@ class Proposer(abc.ABC):
         """One tree per input, rooted at the last committed token (`self._tokens[seq_id][-1]`)."""
 
 
-def _rows_ok(features: torch.Tensor | None, num_rows: int) -> bool:
+def _rows_ok(features: torch.Tensor | None, num_rows: int, width: int | None = None) -> bool:
     if features is None:
         return num_rows == 0
-    return features.dim() == 2 and features.shape[0] == num_rows
+    return (features.dim() == 2 and features.shape[0] == num_rows
+            and (width is None or num_rows == 0 or features.shape[1] == width))

@@ -108,6 +108,29 @@ def test_chain_is_cut_at_the_context_length(pair):
     assert len(out.tree.token_ids) == 2 and out.tree.parents == [-1, 0]
 
 
+def test_a_sequence_the_draft_kv_cannot_hold_drafts_nothing_then_resyncs(pair):
+    """A full draft KV pool: that sequence gets an empty tree (a target-only step), its next Propose is STALE (the
+    gateway re-syncs it), the others keep drafting; features of the wrong width are INVALID for that sequence alone."""
+    target, draft, hf = pair
+    proposer = DFlashProposer(target, draft, EngineConfig(device="cpu", dtype="float32", max_total_tokens=16,
+                                                          block_size=4))
+    tokens = list(range(3, 14))  # 11 committed: context of 10 positions = 3 blocks of the pool's 4
+    feats = hf_features(hf, tokens, [0, 2])
+    spec = SpecShape(1, 1, 4)
+    for seq_id in ("a", "b"):
+        assert proposer.prefill(seq_id, tokens, feats[:-1]) == Status.OK
+    a, b = proposer.propose([ProposeInput(s, 11, [], spec, features=feats[:0]) for s in ("a", "b")])
+    assert a.status == Status.OK and len(a.tree.token_ids) == 3
+    assert b.status == Status.OK and b.tree.token_ids == []
+    [b] = proposer.propose([ProposeInput("b", 12, [20], spec, features=feats[10:11])])
+    assert b.status == Status.STALE
+    [a, bad] = proposer.propose([ProposeInput("a", 12, [20], spec, features=feats[10:11]),
+                                 ProposeInput("c", 12, [20], spec, features=feats[10:11, :5])])
+    assert a.status == Status.OK and len(a.tree.token_ids) == 3
+    assert bad.status == Status.INVALID and "features must be (len(new_token_ids), 128)" in bad.error
+    assert proposer.prefill("d", tokens, feats[:-1, :7]) == Status.INVALID
+
+
 @pytest.mark.parametrize("family,block,window", [("llama", 4, None), ("qwen3", 6, 8)],
                          ids=["llama-block4", "qwen3-block6-window8"])
 async def test_greedy_through_the_services_matches_hf_generate(tmp_path, family, block, window):
