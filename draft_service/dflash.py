@@ -177,12 +177,13 @@ class DFlashProposer(Proposer):
         lens = [self._ctx[inp.seq_id].end if window is None else min(self._ctx[inp.seq_id].end, window)
                 for inp in group]
         width = max(_CTX_ALIGN, -(-max(lens) // _CTX_ALIGN) * _CTX_ALIGN)  # padded context length
-        b = len(group)
-        index = torch.zeros(b, width, dtype=torch.int64)
-        for i, (inp, n) in enumerate(zip(group, lens)):
-            if n:
-                index[i, :n] = torch.tensor(bm.slots(inp.seq_id, 0, n))
-        index = index.to(self.device)
+        b, bs = len(group), bm.block_size
+        tables = [bm.block_table(inp.seq_id) for inp in group]
+        table = torch.zeros(b, -(-width // bs), dtype=torch.int64)  # (b, blocks): padded block tables
+        for i, blocks in enumerate(tables):
+            table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        j = torch.arange(width)
+        index = (table[:, j // bs] * bs + j % bs).to(self.device)  # (b, width) KV slots; padding is masked out
         visible = torch.arange(width + block).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # (b, width + block)
         visible[:, width:] = True  # the whole block, both directions
         mask = visible.to(self.device).view(b, 1, 1, width + block).expand(b, 1, block, width + block)
