@@ -22,13 +22,14 @@ import torch
 @dataclass(frozen=True)
 class Method:
     name: str
-    algorithm: str  # NONE | STANDALONE | EAGLE3 | EAGLE | NGRAM
+    algorithm: str  # NONE | STANDALONE | EAGLE3 | EAGLE | NGRAM | DFLASH
     num_steps: int = 0
     topk: int = 1
     num_draft_tokens: int = 1
 
 
-def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False) -> list[Method]:
+def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False,
+                    dflash_block: int | None = None) -> list[Method]:
     methods = [Method("AR", "NONE")]
     if has_draft:
         methods += [Method("STANDALONE chain 3/1/4", "STANDALONE", 3, 1, 4),
@@ -39,6 +40,8 @@ def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False) 
                     Method("EAGLE3 tree 6/8/32", "EAGLE3", 6, 8, 32)]
     if has_eagle:
         methods += [Method("EAGLE chain 3/1/4", "EAGLE", 3, 1, 4), Method("EAGLE tree 5/4/16", "EAGLE", 5, 4, 16)]
+    if dflash_block:  # one block per step: steps = topk = 1, num_draft_tokens = the draft's block size
+        methods.append(Method(f"DFLASH block {dflash_block}", "DFLASH", 1, 1, dflash_block))
     methods.append(Method("NGRAM (prompt lookup) 8", "NGRAM", 0, 1, 8))
     return methods
 
@@ -52,7 +55,8 @@ class EngineBench:
     """One target engine per feature mode, proposers built once (NGRAM fresh per batch: its trie is global)."""
 
     def __init__(self, target_path: str, draft_path: str | None, eagle3_path: str | None, device: str,
-                 eagle_path: str | None = None, max_total_tokens: int = 65536, cuda_graphs: str = "all") -> None:
+                 eagle_path: str | None = None, max_total_tokens: int = 65536, cuda_graphs: str = "all",
+                 dflash_path: str | None = None) -> None:
         """cuda_graphs: "all" (target and drafts capture CUDA graphs, as the services do), "target" (drafts eager)
         or "none"."""
         import dataclasses
@@ -64,7 +68,7 @@ class EngineBench:
                                           disable_cuda_graph=cuda_graphs == "none")
         self.draft_engine_config = dataclasses.replace(self.engine_config, disable_cuda_graph=cuda_graphs != "all")
         self.target_path, self.draft_path = target_path, draft_path
-        self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path}
+        self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path, "DFLASH": dflash_path}
         self.runner = ModelRunner(target_path, self.engine_config)
         self._proposers: dict[str, object] = {}
         self.static_draft_step = cuda_graphs == "all"  # as tandem serve: one graph per Propose where it can
@@ -88,6 +92,11 @@ class EngineBench:
                 from runtime.model_runner import ModelRunner
 
                 self._proposers[algorithm] = StandaloneProposer(ModelRunner(self.draft_path, self.draft_engine_config))
+            elif algorithm == "DFLASH":
+                from draft_service.dflash import DFlashProposer
+
+                self._proposers[algorithm] = DFlashProposer(self.target_path, self.head_paths[algorithm],
+                                                            self.draft_engine_config)
             else:
                 from draft_service.eagle import EagleProposer
 
@@ -103,9 +112,9 @@ class EngineBench:
 
         proposer = None
         capture: dict = {}
-        if method.algorithm in ("EAGLE3", "EAGLE"):
+        if method.algorithm in ("EAGLE3", "EAGLE", "DFLASH"):
             proposer = self.proposer(method.algorithm, method.num_draft_tokens)
-            capture = ({"feature_layers": proposer.target_capture_layers} if method.algorithm == "EAGLE3"
+            capture = ({"feature_layers": proposer.target_capture_layers} if method.algorithm != "EAGLE"
                        else {"final_norm_features": True})
         if method.algorithm in ("EAGLE3", "EAGLE", "STANDALONE") and self.state()["static_draft_step"]:
             from draft_service.proposer import SpecShape
@@ -217,15 +226,22 @@ def hf_tokens_per_s(target, prompts: list[list[int]], max_new_tokens: int, assis
 def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, prompts: list[list[int]],
              device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
              eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None,
-             only: list[str] | None = None, cuda_graphs: str = "all", stop_at_eos: bool = False) -> dict:
+             only: list[str] | None = None, cuda_graphs: str = "all", stop_at_eos: bool = False,
+             dflash_path: str | None = None) -> dict:
     """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
     speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
     remaining measurements are skipped and listed under "skipped". `only`: measure just these method names.
     stop_at_eos: sequences (and the HF peers) stop at the target's EOS ids (chat prompts) instead of ignoring them."""
     from transformers import AutoModelForCausalLM
 
-    bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path, cuda_graphs=cuda_graphs)
-    methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None)
+    bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path, cuda_graphs=cuda_graphs,
+                        dflash_path=dflash_path)
+    dflash_block = None
+    if dflash_path:
+        from runtime.models.dflash import DEFAULT_BLOCK_SIZE, read_block_size
+
+        dflash_block = read_block_size(dflash_path) or DEFAULT_BLOCK_SIZE
+    methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None, dflash_block)
     if only:
         unknown = set(only) - {m.name for m in methods}
         if unknown:
@@ -303,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft", default=None, help="STANDALONE draft folder")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
     p.add_argument("--eagle", default=None, help="EAGLE (EAGLE-2) head folder")
+    p.add_argument("--dflash", default=None, help="DFLASH draft folder (one block of its block_size per step)")
     p.add_argument("--prompts", required=True, help="jsonl with prompt_ids per line")
     p.add_argument("--num-prompts", type=int, default=40, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
@@ -324,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(args.prompts)[: args.num_prompts]
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
                       args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle,
-                      only=args.methods, cuda_graphs=args.cuda_graphs, stop_at_eos=args.stop_at_eos)
+                      only=args.methods, cuda_graphs=args.cuda_graphs, stop_at_eos=args.stop_at_eos,
+                      dflash_path=args.dflash)
     table = markdown(result)
     print(table)
     if args.out:
