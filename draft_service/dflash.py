@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service.proposer import Proposer, ProposeInput, StaleSequence
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
 from runtime.models.dflash import dflash_capture_layers, load_dflash_draft
@@ -48,8 +48,6 @@ class DFlashProposer(Proposer):
         super().__init__()
         if window_size is not None and window_size < 1:
             raise ValueError(f"--speculative-draft-window-size must be positive, got {window_size}")
-        from runtime.config import ModelConfig
-
         target = ModelConfig.from_pretrained(target_path)
         self.model = load_dflash_draft(draft_path, target_path, engine_config)
         config = self.model.dflash
@@ -61,10 +59,10 @@ class DFlashProposer(Proposer):
         self.max_context_len = target.max_position_embeddings
         self.target_capture_layers = dflash_capture_layers(list(config.target_layer_ids), target.num_layers)
         self.feature_size = config.feature_size
-        m = config.model
-        self.block_manager = BlockManager(engine_config.resolved_num_kv_blocks, engine_config.block_size)
-        self.kv_pool = KVPool(m.num_layers, engine_config.resolved_num_kv_blocks, engine_config.block_size,
-                              m.num_kv_heads, m.head_dim, self.dtype, device)
+        m, num_blocks = config.model, engine_config.resolved_num_kv_blocks  # --max-total-tokens of context KV
+        self.block_manager = BlockManager(num_blocks, engine_config.block_size)
+        self.kv_pool = KVPool(m.num_layers, num_blocks, engine_config.block_size, m.num_kv_heads, m.head_dim,
+                              self.dtype, device)
         self._ctx: dict[str, _SeqContext] = {}
 
     # ---- bookkeeping hooks -----------------------------------------------------------------------------------------
