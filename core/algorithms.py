@@ -52,6 +52,7 @@ class AlgorithmFlag:
     default: object = None
     choices: tuple | None = None
     forward: bool = True  # `tandem serve` passes it (when set) to the model services
+    aliases: tuple[str, ...] = ()  # other spellings the parser accepts (SGLang's older names)
 
     @property
     def dest(self) -> str:
@@ -361,7 +362,8 @@ register(SpeculativeAlgorithm(
                       "the draft config's block_size, else 16)", int, forward=False),
         AlgorithmFlag("--speculative-draft-window-size", "DFLASH: the draft attends to at most this many latest "
                       "context tokens, in a compact sliding-window draft KV of that many slots per sequence; must "
-                      "be >= the block size (default: the whole context)", int),
+                      "be >= the block size (default: the whole context)", int,
+                      aliases=("--speculative-dflash-draft-window-size",)),
     )))
 register(SpeculativeAlgorithm("DSPARK", tree=False,
                               unsupported="DSPARK (block drafts with ragged verify) is not supported yet"))

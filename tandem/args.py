@@ -138,9 +138,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     for entry in algorithms.ALGORITHMS.values():  # each algorithm's own flags (NGRAM trie, SYNTHETIC acceptance)
         for flag in entry.flags:
             if flag.type is None:
-                g.add_argument(flag.flag, action="store_true", help=flag.help)
+                g.add_argument(flag.flag, *flag.aliases, dest=flag.dest, action="store_true", help=flag.help)
             else:
-                g.add_argument(flag.flag, type=flag.type, default=flag.default, choices=flag.choices, help=flag.help)
+                g.add_argument(flag.flag, *flag.aliases, dest=flag.dest, type=flag.type, default=flag.default,
+                               choices=flag.choices, help=flag.help)
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:

@@ -272,6 +272,7 @@ def test_steps_and_topk_are_forced_to_one_with_a_warning(pair, draft_dir, caplog
 def test_draft_window_rules(pair, draft_dir):
     base = ("--model-path", pair[0], "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft_dir)
     assert _prepare(*base, "--speculative-draft-window-size", "4").speculative_draft_window_size == 4
+    assert _prepare(*base, "--speculative-dflash-draft-window-size", "6").speculative_draft_window_size == 6
     assert _refused(*base, "--speculative-draft-window-size", "3") == (
         "error: --speculative-draft-window-size must be >= --speculative-num-draft-tokens (block_size). "
         "window_size=3, block_size=4.")
