@@ -120,9 +120,12 @@ class Scheduler:
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
         self._pending: dict[str, tuple] = {}  # ping-pong: trees (as Drafting.propose gives them) not yet verified
         self._last_step_end: tuple[int, float] = (-1, 0.0)  # (num_steps after it, perf_counter) of the last step
-        # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
-        # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
-        self._defer_delivery = spec.entry.drafts and bool(drafts)
+        # Result processing off the critical path: a Verify's tokens are committed at once (the next step needs
+        # them) but detokenized, stop-matched and streamed while the next call is in flight (Sequence.deliver): the
+        # next Propose, or on a step that drafts nothing (plain decoding, an adaptive tier of 0 steps) the next
+        # Verify. 8B plain decoding through the services lost 20-28 ms per 4-step call at batch 32-64 streaming
+        # its tokens between calls (bench/results/speculative_h200/adaptive/NOTES.md, seventh session).
+        self._drafts_nothing = not (spec.entry.drafts and drafts)
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -439,6 +442,14 @@ class Scheduler:
         self._deliver(seqs)
         return await task
 
+    async def _verify_delivering(self, seqs: list[Sequence]) -> None:
+        """Plain decode steps for `seqs` and, while those Verify calls are in flight, deliver their held outputs.
+        A sequence a stop string ends meanwhile ignores its step's result (Sequence.commit) and is released."""
+        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, {})))
+        await asyncio.sleep(0)  # let the calls go out before the host work below
+        self._deliver(seqs)
+        await task
+
     @staticmethod
     def _deliver(seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -459,9 +470,13 @@ class Scheduler:
         if overlap:
             trees = self.drafting.take_predrafts(seqs)
             trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
-        elif adaptive_steps == 0:
-            self._deliver(seqs)
-            trees = {}  # this batch size's tier does not speculate: a plain decode step through Verify
+        elif adaptive_steps == 0 or self._drafts_nothing:
+            # plain decode steps through Verify (no draft, or this batch size's tier does not speculate): the held
+            # outputs are delivered while the Verify is in flight
+            await self._verify_delivering(seqs)
+            if adaptive_steps is not None:
+                self.adaptive.observe(len(seqs), adaptive_steps, None)
+            return
         elif adaptive_steps is not None:
             trees = await self._propose_delivering(seqs, seqs, (adaptive_steps, 1, adaptive_steps + 1))
         else:
@@ -528,7 +543,7 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=self._defer_delivery)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
 
 
 def _logprobs(seq: Sequence) -> int:
