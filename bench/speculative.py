@@ -87,7 +87,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
     """Prefill (untimed, the draft's catch-up too), then propose -> verify until every sequence has max_new tokens.
     Returns tokens (after the prefill's), steps, summed t_draft/t_verify (seconds) and the loop's wall time."""
     from draft_service.proposer import ProposeInput
-    from runtime.sampling import SamplingParams
+    from core.types import SamplingParams
     from runtime.speculative.tree import DraftTree
     from target_service.engine import PrefillInput, StopRule, VerifyInput
 

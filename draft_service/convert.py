@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.types import SamplingParams
 from draft_service.proposer import ProposeInput, ProposeOutput, SpecShape, Status
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
-from runtime.sampling import SamplingParams
 
 DEFAULT_MAX_DRAFT_TOKENS = 512  # tree nodes one Propose may ask per sequence (as the target's tree limit)
 DEFAULT_MAX_STEPS_X_TOPK = 1024  # num_steps * topk: the draft forwards' candidate tokens per sequence

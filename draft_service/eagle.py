@@ -26,11 +26,12 @@ import torch
 
 from core import algorithms
 from core.algorithms import DraftModel, TargetFeatures
+from core.types import SamplingParams
 from draft_service.proposer import Proposer, ProposeInput, SpecShape, StaleSequence
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams, process_logits, sample_per_row
+from runtime.sampling import process_logits, sample_per_row
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
 from runtime.speculative.draft_step import CatchUp

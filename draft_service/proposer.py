@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.types import SamplingParams
 from core.types import SeqStatus as Status
-from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.types import FinishReason, SeqStatus, StopRule
+from core.types import FinishReason, SamplingParams, SeqStatus, StopRule
 from gateway.features import FeatureRows
-from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.service_auth import bearer_metadata
@@ -33,7 +32,7 @@ class TargetPrefillItem:
     seq_id: str
     token_ids: list[int]
     sample_next_token: bool
-    sampling: RequestSampling
+    sampling: SamplingParams
     stop: StopRule
     return_features: bool = False
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and k alternatives
@@ -46,7 +45,7 @@ class VerifyItem:
     root_token_id: int
     tree_tokens: list[int]
     tree_parents: list[int]
-    sampling: RequestSampling
+    sampling: SamplingParams
     stop: StopRule
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
@@ -82,7 +81,7 @@ class ProposeItem:
     num_draft_tokens: int
     features: FeatureRows | None = None  # one row per new token: the feature of the token before it
     append_guess: bool = False  # pre-draft: new tokens end with a guess; the draft appends its own next token
-    sampling: RequestSampling | None = None  # sampled requests: what a rejection-sampling draft samples from
+    sampling: SamplingParams | None = None  # sampled requests: what a rejection-sampling draft samples from
 
 
 @dataclass
@@ -112,10 +111,10 @@ def _status(value: int) -> SeqStatus:
         return SeqStatus.INVALID
 
 
-def _sampling(s: RequestSampling) -> pb.SamplingParams:
+def _sampling(s: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                            repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
+                            repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias))
     if s.seed is not None:
         msg.seed = s.seed
     return msg

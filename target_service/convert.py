@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.types import FinishReason
+from core.types import FinishReason, SamplingParams
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
-from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillInput, Status, StepOutput, StopRule,
                                    VerifyInput)

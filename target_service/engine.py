@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.types import FinishReason, StopRule
+from core.types import FinishReason, SamplingParams, StopRule
 from core.types import SeqStatus as Status
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams
 from runtime.speculative.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import EXACT, AcceptThresholds

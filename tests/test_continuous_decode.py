@@ -86,13 +86,13 @@ async def test_bad_step_counts_are_refused(tiny):
     from core.types import StopRule
     from gateway.clients import VerifyItem
     from gateway.scheduler import SchedulerConfig
-    from gateway.types import RequestSampling
+    from gateway.types import request_sampling
 
     with pytest.raises(ValueError, match="num_continuous_decode_steps"):
         SchedulerConfig(num_continuous_decode_steps=0)
     async with local_stack(tiny) as scheduler:
         target = scheduler.targets.clients[0]
-        item = VerifyItem("nobody", 2, 1, [], [], RequestSampling(temperature=0.0), StopRule(8, [], False, 1), num_decode_steps=1000)
+        item = VerifyItem("nobody", 2, 1, [], [], request_sampling(temperature=0.0), StopRule(8, [], False, 1), num_decode_steps=1000)
         [result] = await target.verify([item])  # refused for this sequence alone (INVALID), not for the call
         assert result.status == 3 and "num_decode_steps 1000 exceeds" in result.error
 

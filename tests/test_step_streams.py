@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from gateway.clients import PodUnavailable, StopRule, TargetClient, VerifyItem
-from gateway.types import RequestSampling
+from gateway.types import request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import start_server
@@ -92,7 +92,7 @@ async def test_target_stopped_mid_generation_fails_over_from_the_stream_path(pai
         from gateway.types import GenerateParams
 
         params = GenerateParams(request_id="f", prompt_token_ids=prompt, max_new_tokens=60,
-                                sampling=RequestSampling(temperature=0.0), detokenize=False)
+                                sampling=request_sampling(temperature=0.0), detokenize=False)
         out, stopped = [], None
         async for chunk in scheduler.generate(params):
             out.extend(chunk.token_ids)
@@ -162,7 +162,7 @@ async def _serve(servicer=None, handlers=None):
 
 
 def _item(seq_id: str = "a", root: int = 5) -> VerifyItem:
-    return VerifyItem(seq_id, 3, root, [], [], RequestSampling(), StopRule(10, [], False, 2))
+    return VerifyItem(seq_id, 3, root, [], [], request_sampling(), StopRule(10, [], False, 2))
 
 
 async def test_hung_stream_response_hits_the_deadline_and_the_next_call_reopens():

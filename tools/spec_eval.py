@@ -139,7 +139,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
     eos_token_ids: stop a sequence at these (None: ignore EOS, always max_new_tokens). outputs: filled with each
     sequence's committed tokens (prompt included), keyed by its id."""
     from draft_service.proposer import ProposeInput, SpecShape
-    from runtime.sampling import SamplingParams
+    from core.types import SamplingParams
     from runtime.speculative.tree import DraftTree
     from target_service.engine import PrefillInput, StopRule, VerifyInput
 

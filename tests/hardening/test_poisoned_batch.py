@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.clients import STATUS_INVALID, STATUS_OK, StopRule, TargetPrefillItem, VerifyItem
-from gateway.types import GenerateParams, InvalidRequest, RequestSampling
+from gateway.types import GenerateParams, InvalidRequest, request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from tests.ops.conftest import ops_stack
 from tests.stack import generate_ids, local_stack
@@ -24,7 +24,7 @@ def model(tmp_path_factory):
 
 
 def _prefill_item(seq_id: str, tokens: list[int], **sampling) -> TargetPrefillItem:
-    return TargetPrefillItem(seq_id, tokens, True, RequestSampling(**sampling), StopRule(8, [], True, len(tokens)))
+    return TargetPrefillItem(seq_id, tokens, True, request_sampling(**sampling), StopRule(8, [], True, len(tokens)))
 
 
 async def test_target_prefill_and_verify_fail_only_the_bad_sequence(model):
@@ -53,7 +53,7 @@ async def test_target_prefill_and_verify_fail_only_the_bad_sequence(model):
         assert "seed" in response.results[1].error and "top_p" in response.results[2].error
 
         roots = {r.seq_id: r.token_ids[-1] for r in results if r.status == STATUS_OK}
-        sampling, stop = RequestSampling(temperature=0.0), StopRule(8, [], True, 3)
+        sampling, stop = request_sampling(temperature=0.0), StopRule(8, [], True, 3)
         items = [VerifyItem(f"g{i}", 4, roots[f"g{i}"], [5, 6], [-1, 0], sampling, stop) for i in range(3)]
         items[1] = VerifyItem("g1", 4, roots["g1"], [vocab + 1], [-1], sampling, stop)  # out of the vocabulary
         out = await target.verify(items)
@@ -89,7 +89,7 @@ async def test_draft_propose_and_prefill_fail_only_the_bad_sequence(model):
     (dict(top_k=True), "top_k")])
 def test_sampling_domain_is_checked_at_the_gateway(sampling, field):
     with pytest.raises(InvalidRequest) as info:
-        RequestSampling(**sampling)
+        request_sampling(**sampling)
     assert info.value.param == field
 
 

@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.clients import STATUS_INVALID, STATUS_OK, DraftClient, StopRule, TargetClient, TargetPrefillItem, VerifyItem
-from gateway.types import RequestSampling
+from gateway.types import request_sampling
 from protos.leases import SeqLeases
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -76,7 +76,7 @@ async def test_gateway_clients_carry_the_credential_and_sequences_have_an_owner(
     keyless = TargetClient(f"127.0.0.1:{tport}", owner="gw-a")
     my_draft = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gw-a")
     other_draft = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gw-b")
-    sampling, stop = RequestSampling(temperature=0.0), StopRule(16, [], True, 3)
+    sampling, stop = request_sampling(temperature=0.0), StopRule(16, [], True, 3)
     try:
         from gateway.clients import PodUnavailable
 
@@ -111,7 +111,7 @@ async def test_abandoned_sequences_are_freed_after_the_idle_ttl(model):
         server.servicer.leases = SeqLeases(30.0, clock=lambda: now[0])
     client = TargetClient(f"127.0.0.1:{tport}", service_api_key=KEY, owner="gone")
     dclient = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gone")
-    sampling, stop = RequestSampling(temperature=0.0), StopRule(16, [], True, 3)
+    sampling, stop = request_sampling(temperature=0.0), StopRule(16, [], True, 3)
     try:
         await client.prefill([TargetPrefillItem(f"s{i}", [1, 2, 3], True, sampling, stop) for i in range(3)])
         await dclient.prefill([("d", [5, 6, 7], None)])

@@ -18,7 +18,7 @@ from gateway.clients import PodUnavailable, StopRule, TargetClient, TargetPrefil
 from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
 from gateway.openai_api import build_app
 from gateway.scheduler import SchedulerConfig
-from gateway.types import RequestSampling
+from gateway.types import request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import channel_credentials, server_credentials
@@ -119,7 +119,7 @@ async def _tls_target(tiny_model, creds):
 
 
 def _prefill_item(seq_id: str) -> TargetPrefillItem:
-    return TargetPrefillItem(seq_id, [5, 6, 7], True, RequestSampling(temperature=0.0), StopRule(4, [], True, 3))
+    return TargetPrefillItem(seq_id, [5, 6, 7], True, request_sampling(temperature=0.0), StopRule(4, [], True, 3))
 
 
 async def test_gateway_reaches_a_target_over_mtls_and_others_are_refused(tiny_model, certs):
