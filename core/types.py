@@ -1,5 +1,6 @@
 """Types that cross the services' wire, defined once for the gateway, the model services and the runtime: the status
-of a sequence in a step, why a sequence finished, when it stops (StopRule) and how it samples (SamplingParams).
+of a sequence in a step, why a sequence finished, when it stops (StopRule), how it samples (SamplingParams) and the
+draft tree a step verifies (DraftTree).
 Plain enums and dataclasses (no torch, no protobuf): only the convert modules and the gateway's clients translate
 them to and from tandem.v1 messages.
 """
@@ -9,8 +10,10 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 MAX_SEED = 2**63 - 1  # the pods' per-sequence generators take seeds in [0, 2**63)
+ROOT = -1  # the parent of a draft tree's top nodes: the implicit root, the last committed token
 
 
 class SeqStatus(enum.IntEnum):
@@ -95,6 +98,60 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         # top_k == 1 leaves one token after processing, so it is argmax sampling whatever the temperature.
         return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes in topological order (a chain is a tree whose parents are i-1). parents[i] is the index of node
+    i's parent, ROOT (-1) for the root. The root itself (the last committed token, whose KV verify writes) is
+    implicit: it is node 0 wherever a root-inclusive view is built (runtime/speculative/)."""
+
+    token_ids: list[int]
+    parents: list[int]
+    # (num_nodes, V): the distribution each node was sampled from, for p/q rejection sampling; None when the draft
+    # did not sample. A torch tensor in the services and the runtime, opaque bytes (FeatureRows) in the gateway.
+    draft_probs: Any = None
+
+    @classmethod
+    def chain(cls, token_ids: list[int]) -> DraftTree:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError unless every parent precedes its child and the token ids / draft_probs are consistent."""
+        if len(self.parents) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token_ids but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}; parents must be -1 (root) or an earlier node")
+        for i, token in enumerate(self.token_ids):
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(f"node {i} has token id {token} outside [0, {vocab_size or 'vocab'})")
+        shape = tuple(self.draft_probs.shape) if self.draft_probs is not None else None
+        if shape is not None and (len(shape) != 2 or shape[0] != len(self)):
+            raise ValueError(f"draft_probs must be (num_nodes={len(self)}, V), got {shape}")
+
+    def depths(self) -> list[int]:
+        """Per draft node, the number of draft ancestors: 0 for the root's children (their depth below the root is
+        depths()[i] + 1, the position offset after the root)."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent == ROOT else depths[parent] + 1)
+        return depths
+
+    def children(self) -> dict[int, list[int]]:
+        """Child node indices in increasing node order, keyed by parent node index (ROOT for the root); every node
+        has an entry, empty for leaves. Node order is the sibling order verification tries."""
+        out: dict[int, list[int]] = {ROOT: [], **{i: [] for i in range(len(self))}}
+        for i, parent in enumerate(self.parents):
+            out[parent].append(i)
+        return out
 
 
 def _is_int(value: object) -> bool:

@@ -26,8 +26,9 @@ import torch
 
 from core import algorithms
 from core.algorithms import DraftModel, TargetFeatures
-from core.types import SamplingParams
-from draft_service.proposer import Proposer, ProposeInput, SpecShape, StaleSequence
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree, SamplingParams
+from draft_service.proposer import Proposer, StaleSequence
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
@@ -35,7 +36,7 @@ from runtime.sampling import process_logits, sample_per_row
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
 from runtime.speculative.draft_step import CatchUp
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 
 

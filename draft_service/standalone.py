@@ -11,11 +11,13 @@ from collections import defaultdict
 
 import torch
 
-from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree
+from draft_service.proposer import Proposer
 from runtime.chunked import forward_chunked
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.speculative.draft_step import CatchUp
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 
 class StandaloneProposer(Proposer):

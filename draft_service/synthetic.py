@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree
+from draft_service.proposer import Proposer
 from runtime.config import EngineConfig, ModelConfig
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 logger = logging.getLogger(__name__)
 ORACLE_FORMAT = "tandem-synthetic-oracle/1"

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.types import SamplingParams, StopRule
+from core.types import DraftTree, SamplingParams, StopRule
 from runtime.sampling import make_generator, penalize_logits, process_logits
-from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import (EXACT, AcceptThresholds, VerifyOutcome, verify_chain_rejection, verify_greedy,
                                         verify_tree_sampling)
 
