@@ -182,11 +182,11 @@ async def test_pingpong_sampling_gives_the_sequential_loops_tokens(pair):
 
 # ---------------------------------------------------------------------------------------------- result processing
 async def _texts(scheduler, prompts_ids, stops, max_new=40):
-    from gateway.types import GenerateParams, RequestSampling
+    from gateway.types import GenerateParams, request_sampling
 
     async def one(i, prompt, stop):
         params = GenerateParams(request_id=f"t{i}", prompt_token_ids=prompt, max_new_tokens=max_new, stop=stop,
-                                sampling=RequestSampling(temperature=0.0), ignore_eos=True)
+                                sampling=request_sampling(temperature=0.0), ignore_eos=True)
         text, finish, ids = "", None, []
         async for chunk in scheduler.generate(params):
             text, ids = text + chunk.text, ids + list(chunk.token_ids)
