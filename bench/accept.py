@@ -29,6 +29,8 @@ from tandem.args import DEFAULT_MODEL  # noqa: E402
 
 CONFIGS = {
     "AR": [],
+    # Plain decoding at one decode step per Verify call (the default is 4 when nothing drafts: tandem/services.py)
+    "AR-1step": ["--num-continuous-decode-steps", "1"],
     "NGRAM": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"],
     "STANDALONE-chain": ["--speculative-algorithm", "STANDALONE"],
     "STANDALONE-tree": ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "4",
@@ -44,7 +46,7 @@ CONFIGS = {
                           "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16",
                           "--disable-static-draft-step"],
     "NGRAM-auto": ["--speculative-algorithm", "NGRAM"],
-    # EAGLE (EAGLE-2) serves the bundled target's EAGLE-2 head (tandem/args.py DEFAULT_EAGLE) with no model flags.
+    # EAGLE on the bundled target serves its own MTP layer with no model flags (as SGLang's EAGLE on an MTP checkpoint).
     "EAGLE-chain": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
     "EAGLE-tree": ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "5",
@@ -54,10 +56,14 @@ CONFIGS = {
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
     "NEXTN-tree": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+    # Multi-layer EAGLE: step s runs MTP layer s (a target with >= 2 MTP layers).
+    "NEXTN-multi": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
+                    "--enable-multi-layer-eagle"],
 }
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
-                if name != "AR" and "--disable-static-draft-step" not in flags})
+                if not name.startswith("AR") and "--disable-static-draft-step" not in flags})
 
 
 def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str] | list[list[int]]:

@@ -2,7 +2,7 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: step_tests overlap adaptive mtp step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap adaptive mtp mtp_bundle step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -60,12 +60,12 @@ for s in $STAGES; do
         cat "$R/serve_decode_k$k/results.md" 2>/dev/null || tail -5 "$R/serve_decode_k$k.log"
       done ;;
     eval)  # the demo family: every method's tau + batch-1 tok/s + HF generate/assisted/prompt lookup, one run
-      timeout 240 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
+      timeout 240 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 \
         --prompts $M/heldout_prompts.jsonl --device cuda --temperatures 0 1 --speed-prompts 5 \
         --out "$R/spec_eval_h200.json" > "$R/spec_eval.log" 2>&1
       cat "$R/spec_eval_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval.log"
       # the same family on the held-out chat prompts (ChatML, answers stop at <|im_end|>)
-      timeout 200 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 --eagle $M-eagle \
+      timeout 200 python3 -m tools.spec_eval --model $M --draft $M-draft --eagle3 $M-eagle3 \
         --prompts $M/heldout_chat_prompts.jsonl --device cuda --temperatures 0 1 --speed-prompts 5 --stop-at-eos \
         --out "$R/spec_eval_chat_h200.json" > "$R/spec_eval_chat.log" 2>&1
       cat "$R/spec_eval_chat_h200.md" 2>/dev/null || grep "tok/s" "$R/spec_eval_chat.log" ;;
@@ -93,6 +93,27 @@ for s in $STAGES; do
         --out "$R/accept_mtp.json" -- --device cuda --model-path /tmp/demo-mtp --cuda-graph-max-bs 8 \
         > "$R/accept_mtp.log" 2>&1
       tail -6 "$R/accept_mtp.log" ;;
+    mtp_bundle)  # the bundled demo's MTP layer, trained here into the target (then NEXTN/EAGLE serve it with no flags),
+      # a 2-layer copy for multi-layer EAGLE trained alongside (the tiny model leaves the GPU mostly idle), and tau +
+      # tok/s of every MTP config next to EAGLE3 and plain decoding
+      rm -rf /tmp/demo-mtp2 && cp -r $M /tmp/demo-mtp2
+      timeout 200 python3 -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path /tmp/demo-mtp2 \
+        --corpus /usr/lib/python3.12 --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-mtp2 --minutes 2.6 \
+        --device cuda --batch-size 64 --seq-len 512 > "$R/mtp2_train.log" 2>&1 &
+      timeout 240 python3 -m tools.train_draft --kind mtp --target-model-path $M --corpus /usr/lib/python3.12 \
+        --exclude-files $M/heldout_files.txt --output-dir $M --minutes 3.3 --device cuda --batch-size 64 \
+        --seq-len 512 > "$R/mtp_train.log" 2>&1
+      wait
+      tail -3 "$R/mtp_train.log"; tail -2 "$R/mtp2_train.log"; mkdir -p "$R/bundle"
+      cp $M/config.json $M/model.safetensors.index.json $M/mtp*.safetensors $M/mtp_training_info.json "$R/bundle/"
+      cp /tmp/demo-mtp2/mtp_training_info.json "$R/mtp2_training_info.json" 2>/dev/null
+      timeout 250 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR AR-1step EAGLE3-tree \
+        NEXTN-chain NEXTN-tree EAGLE-tree --out "$R/accept_mtp.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_mtp.log" 2>&1
+      tail -9 "$R/accept_mtp.log"
+      timeout 80 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR NEXTN-multi \
+        --out "$R/accept_mtp2.json" -- --device cuda --model-path /tmp/demo-mtp2 --cuda-graph-max-bs 8 \
+        > "$R/accept_mtp2.log" 2>&1
+      tail -5 "$R/accept_mtp2.log" ;;
     flashinfer)
       timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
         > "$R/flashinfer.log" 2>&1

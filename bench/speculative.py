@@ -86,10 +86,8 @@ def make_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> lis
 def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, tag: str) -> dict:
     """Prefill (untimed, the draft's catch-up too), then propose -> verify until every sequence has max_new tokens.
     Returns tokens (after the prefill's), steps, summed t_draft/t_verify (seconds) and the loop's wall time."""
-    from draft_service.proposer import ProposeInput
-    from runtime.sampling import SamplingParams
-    from runtime.speculative.tree import DraftTree
-    from target_service.engine import PrefillInput, StopRule, VerifyInput
+    from core.steps import PrefillInput, ProposeInput, VerifyInput
+    from core.types import DraftTree, SamplingParams, StopRule
 
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     greedy = SamplingParams(temperature=0.0)
@@ -101,7 +99,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
             proposer.prefill(s, committed[s])
         proposer.propose([ProposeInput(s, len(committed[s]), [], spec) for s in ids])  # head catch-up, untimed
     new = {s: [] for s in ids}
-    active = [o.seq_id for o in outs if o.finish is None]
+    active = [o.seq_id for o in outs if o.finish_reason is None]
     steps = tokens = seq_steps = 0
     t_draft = t_verify = t_verify_fwd = 0.0
     sync(engine.device)
@@ -124,7 +122,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
             committed[o.seq_id] += o.token_ids
             new[o.seq_id] = o.token_ids
             tokens += len(o.token_ids)
-            if o.finish is not None:
+            if o.finish_reason is not None:
                 done.add(o.seq_id)
         if proposer is not None and done:
             proposer.release(sorted(done))
@@ -162,7 +160,7 @@ def recapture(runner, ndt: int) -> None:
 
 
 def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) -> list[dict]:
-    from draft_service.proposer import SpecShape
+    from core.steps import SpecShape
     from draft_service.synthetic import SyntheticHead, SyntheticProposer
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner

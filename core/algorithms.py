@@ -310,7 +310,7 @@ register(SpeculativeAlgorithm(
 register(SpeculativeAlgorithm(
     "EAGLE", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
     supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
-    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_draft="default",
+    token_map_ignored=None, mtp_draft="default",
     proposer="draft_service.eagle:build"))
 
 register(SpeculativeAlgorithm(
@@ -320,12 +320,12 @@ register(SpeculativeAlgorithm(
     token_map_ignored="an EAGLE-3 head carries its own d2t map", proposer="draft_service.eagle:build"))
 
 # MTP / NextN (DeepSeek-V3 layout; MiMo, GLM, Qwen3-Next): the target's own MTP layers draft, fed the target's
-# final hidden states (runtime/models/mtp.py). On a checkpoint without MTP layers it drafts with an EAGLE-2 head
-# (--speculative-draft-model-path; the bundled one for the bundled target), as SGLang's NEXTN does.
+# final hidden states (runtime/models/mtp.py); the bundled target carries one. On a checkpoint without MTP layers it
+# drafts with an EAGLE-2 head (--speculative-draft-model-path), as SGLang's NEXTN does.
 register(SpeculativeAlgorithm(
     "NEXTN", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
     supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
-    bundled_draft="tandem-demo-code-eagle", token_map_ignored=None, mtp_draft="always",
+    token_map_ignored=None, mtp_draft="always",
     proposer="draft_service.eagle:build"))
 
 # Synthetic acceptance (draft_service/synthetic.py), benchmarks only: an oracle continuation corrupted at a set rate,

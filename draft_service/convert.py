@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draft_service.proposer import ProposeInput, ProposeOutput, SpecShape, Status
+from core.steps import DraftPrefillInput, ProposeInput, ProposeOutput, SpecShape
+from core.types import SamplingParams
+from core.types import SeqStatus as Status
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
-from runtime.sampling import SamplingParams
 
 DEFAULT_MAX_DRAFT_TOKENS = 512  # tree nodes one Propose may ask per sequence (as the target's tree limit)
 DEFAULT_MAX_STEPS_X_TOPK = 1024  # num_steps * topk: the draft forwards' candidate tokens per sequence
@@ -29,10 +30,9 @@ class Limits:
 
 
 @dataclass
-class PrefillItem:
-    seq_id: str
-    token_ids: list[int]
-    features: object  # torch.Tensor | None
+class PrefillItem(DraftPrefillInput):
+    """A draft Prefill input with the outcome of its checks."""
+
     status: Status = Status.OK  # INVALID: refused here, not run
     error: str = ""
 
@@ -66,7 +66,7 @@ def prefill_inputs(request: pb.DraftPrefillRequest, limits: Limits = Limits()) -
             _check_tokens(s.token_ids, limits)
             items.append(PrefillItem(s.seq_id, list(s.token_ids), tensor_from_pb(s.features)))
         except ValueError as exc:
-            items.append(PrefillItem(s.seq_id, [], None, Status.INVALID, str(exc)))
+            items.append(PrefillItem(s.seq_id, [], None, status=Status.INVALID, error=str(exc)))
     return items
 
 

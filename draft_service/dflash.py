@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_service.proposer import Proposer, ProposeInput, StaleSequence
+from core.steps import ProposeInput
+from core.types import DraftTree
+from draft_service.proposer import Proposer, StaleSequence
 from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
 from runtime.models.dflash import dflash_capture_layers, load_dflash_draft
-from runtime.speculative.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 _CTX_ALIGN = 16  # padded context length granularity of a batched block forward (fewer distinct shapes)

@@ -18,7 +18,6 @@ the target produced the features or what gets committed.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -26,22 +25,25 @@ import torch
 
 from core import algorithms
 from core.algorithms import DraftModel, TargetFeatures
-from draft_service.proposer import Proposer, ProposeInput, SpecShape, StaleSequence
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree, SamplingParams
+from draft_service.drafter import ModelDrafter
+from draft_service.proposer import StaleSequence
 from runtime.chunked import forward_chunked
 from runtime.config import EngineConfig, ModelConfig
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams, process_logits, sample_per_row
+from runtime.sampling import process_logits, sample_per_row
 from runtime.models.eagle import load_draft_head, read_config
 from runtime.models.eagle3 import eagle3_aux_layer_ids, eagle3_capture_layers
-from runtime.speculative.draft_step import CatchUp
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 
 
-class EagleProposer(Proposer):
+class EagleProposer(ModelDrafter):
     """Feature-based drafting. Sequences are prefilled lazily: features are kept until the next Propose runs them."""
 
     needs_features = True
+    kv_lag = 1  # draft KV position p holds (t_{p+1}, f_p): the committed KV is [0, C-1)
 
     def __init__(
         self,
@@ -89,9 +91,6 @@ class EagleProposer(Proposer):
         # Features kept after a Propose: the window of the next one starts this many positions before C-1.
         self._feature_tail = max(1, multi_layer_steps)
 
-    def memory(self) -> tuple[int, int]:
-        return self.runner.num_free_tokens(), self.runner.num_total_tokens()
-
     # ---- committed-state hooks -------------------------------------------------------------------------------------
     def _on_prefill(self, seq_id: str) -> None:
         self.runner.add_seq(seq_id)
@@ -126,63 +125,32 @@ class EagleProposer(Proposer):
             raise RuntimeError(f"seq {seq_id!r}: features do not line up with the committed tokens")
 
     def _on_release(self, seq_id: str) -> None:
-        if self.runner.has_seq(seq_id):
-            self.runner.free_seq(seq_id)
+        super()._on_release(seq_id)
         self._feats.pop(seq_id, None)
         self._feat_start.pop(seq_id, None)
         self._generators.pop(seq_id, None)
 
-    # ---- drafting --------------------------------------------------------------------------------------------------
-    def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
-        trees: dict[str, DraftTree] = {}
-        # Too close to the context limit, out of KV, or no root feature yet: no proposal, the target decodes alone.
-        active = [inp for inp in inputs if self._fits(inp)]
-        if self.multi_layer_steps:  # one MTP layer per step: the served chain only; other shapes get no proposal
-            active = [inp for inp in active if inp.spec.topk == 1 and inp.spec.num_steps == self.multi_layer_steps]
-        static = None if any(self._samples(inp) for inp in active) else self._draft_static(active)
-        if static is not None:
-            return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
-        if self.multi_layer_steps:
-            chains = self._draft_layer_chain(active)
-            return [chains.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
-        roots = self._catch_up(active)
-        groups: dict[SpecShape, list[ProposeInput]] = defaultdict(list)
-        for inp in active:
-            groups[inp.spec].append(inp)
-        for spec, group in groups.items():
-            logits = torch.stack([roots[inp.seq_id][0] for inp in group])  # (b, draft_vocab)
-            hidden = torch.stack([roots[inp.seq_id][1] for inp in group])  # (b, H)
-            for inp, tree in zip(group, self._expand(group, spec, logits, hidden)):
-                trees[inp.seq_id] = tree
-        for inp in active:  # drop the speculative nodes' KV; committed positions [0, C-1) stay
-            self.runner.truncate(inp.seq_id, inp.committed_len - 1)
-        return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+    # ---- drafting: the ModelDrafter skeleton's hooks -----------------------------------------------------------------
+    def _static_allowed(self, inputs: list[ProposeInput]) -> bool:
+        return not any(self._samples(inp) for inp in inputs)  # sampled chains (rejection sampling) draft eagerly
 
-    def _draft_static(self, inputs: list[ProposeInput]) -> dict[str, DraftTree] | None:
-        """The whole Propose as one static device step (runtime/speculative/draft_step.py) when one was enabled for
-        this shape and every sequence's catch-up fits it; None = draft eagerly."""
-        step = self._static_step_for(inputs)
-        if step is None:
-            return None
+    def _draft_eager(self, inputs: list[ProposeInput]) -> dict[str, DraftTree]:
+        if self.multi_layer_steps:
+            return self._draft_layer_chain(inputs)
+        return super()._draft_eager(inputs)
+
+    def _catch_up_start(self, inp: ProposeInput) -> int:
         # The catch-up re-runs at least the root's position C-2 (its output starts the tree): KV [first, C-1).
-        plans = [(inp, self._window_start(inp.seq_id, inp.committed_len), inp.committed_len - 1) for inp in inputs]
-        for inp, first, _ in plans:
-            if first < self._feat_start[inp.seq_id]:
-                raise RuntimeError(f"seq {inp.seq_id!r}: the feature of position {first} was dropped")
-        if not self._reserve_static(step, plans):
-            return None
-        bm = self.runner.block_manager
-        items = []
-        for inp, first, _ in plans:
-            seq_id, end = inp.seq_id, inp.committed_len - 1
-            rows = self._feats[seq_id][first - self._feat_start[seq_id]:]
-            items.append(CatchUp(self._tokens[seq_id][first + 1:end + 1], first, bm.slots(seq_id, first, end),
-                                 bm.block_table(seq_id), rows))
-        trees = step.propose(items)
-        for inp, _, _ in plans:  # the catch-up is committed, the tree nodes were scratch
-            self.runner.written(inp.seq_id, inp.committed_len - 1)
-            self._keep_feature_tail(inp)
-        return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
+        first = self._window_start(inp.seq_id, inp.committed_len)
+        if first < self._feat_start[inp.seq_id]:
+            raise RuntimeError(f"seq {inp.seq_id!r}: the feature of position {first} was dropped")
+        return first
+
+    def _catch_up_features(self, inp: ProposeInput, start: int, end: int) -> torch.Tensor:
+        return self._feats[inp.seq_id][start - self._feat_start[inp.seq_id]:]  # (end - start, F)
+
+    def _caught_up(self, inp: ProposeInput) -> None:
+        self._keep_feature_tail(inp)
 
     def _new_static_step(self, spec: SpecShape, max_bs: int):
         if not self.multi_layer_steps:
@@ -257,8 +225,12 @@ class EagleProposer(Proposer):
                 and not inp.sampling.is_greedy)
 
     def _fits(self, inp: ProposeInput) -> bool:
+        """Too close to the context limit, out of KV, or no root feature yet: no proposal. Multi-layer EAGLE drafts
+        the served chain only (one MTP layer per step)."""
         spec, committed_len = inp.spec, inp.committed_len
         if spec.num_steps < 1 or spec.num_draft_tokens < 2 or committed_len < 2:
+            return False
+        if self.multi_layer_steps and (spec.topk != 1 or spec.num_steps != self.multi_layer_steps):
             return False
         if committed_len - 1 + spec.num_steps > self.max_context_len:
             return False
@@ -294,11 +266,13 @@ class EagleProposer(Proposer):
             self._keep_feature_tail(inp)
         return {f.seq_id: (logits[-1], hidden[-1]) for f, logits, hidden in zip(forwards, out.logits, out.hidden)}
 
-    def _expand(
-        self, group: list[ProposeInput], spec: SpecShape, root_logits: torch.Tensor, root_hidden: torch.Tensor
-    ) -> list[DraftTree]:
-        """Beam expansion: the nodes of step s (depth s+1 below the root) sit at draft position C-1+s, take their
-        parent's recurrent hidden as feature, and attend to the prefix plus their region ancestors."""
+    def _expand(self, group: list[ProposeInput], spec: SpecShape,
+                roots: list[tuple[torch.Tensor, torch.Tensor]]) -> list[DraftTree]:
+        """Beam expansion from each sequence's (logits, recurrent hidden) at the root: the nodes of step s (depth s+1
+        below the root) sit at draft position C-1+s, take their parent's recurrent hidden as feature, and attend to
+        the prefix plus their region ancestors."""
+        root_logits = torch.stack([logits for logits, _ in roots])  # (b, draft_vocab)
+        root_hidden = torch.stack([hidden for _, hidden in roots])  # (b, H)
         b, k = len(group), spec.topk
         builder = BeamTreeBuilder(b, spec.num_steps, k, spec.num_draft_tokens)
         sampled = [i for i, inp in enumerate(group) if self._samples(inp)]

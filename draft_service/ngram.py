@@ -11,7 +11,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from runtime.speculative.tree import ROOT, DraftTree
+from core.types import ROOT, DraftTree
 
 MATCH_TYPES = ("BFS", "PROB")
 

@@ -5,9 +5,10 @@ The trie (draft_service/ngram.py) is global across sequences, as in SGLang; tree
 """
 from __future__ import annotations
 
+from core.steps import ProposeInput
+from core.types import DraftTree
 from draft_service.ngram import NgramConfig, NgramProposer
-from draft_service.proposer import Proposer, ProposeInput
-from runtime.speculative.tree import DraftTree
+from draft_service.proposer import Proposer
 
 
 class NgramDraft(Proposer):

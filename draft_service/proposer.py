@@ -1,4 +1,5 @@
-"""Proposer interface of the draft service and the per-sequence bookkeeping every proposer shares.
+"""Proposer interface of the draft service and the per-sequence bookkeeping every proposer shares (its inputs and
+outputs are the step items of core/steps.py).
 
 A proposer keeps, per sequence, the committed tokens it has been told. Each Propose names the committed length and
 the newly committed tail; the proposer rolls back to where the tail starts (dropping its own speculative state) and
@@ -11,50 +12,17 @@ state, dropped by the next Propose's rollback when the guess was wrong.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 
 import torch
 
+from core.steps import ProposeInput, ProposeOutput, SpecShape
+from core.types import DraftTree
 from core.types import SeqStatus as Status
-from runtime.sampling import SamplingParams
-from runtime.speculative.tree import DraftTree
 
 
 class StaleSequence(Exception):
     """Raised by `_on_rollback` when the proposer dropped what it needs to continue from the kept tokens: the
     sequence is released and answered STALE, and the gateway re-syncs it with a prefill."""
-
-
-@dataclass(frozen=True)
-class SpecShape:
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-
-
-@dataclass
-class ProposeInput:
-    seq_id: str
-    committed_len: int
-    new_token_ids: list[int]
-    spec: SpecShape
-    # (len(new_token_ids), F) for feature drafts (EAGLE): row i is the target feature of the token just before
-    # new_token_ids[i]. None for proposers that need only token ids.
-    features: torch.Tensor | None = None
-    append_guess: bool = False  # pre-draft: append the proposer's greedy next token, draft from it
-    # The request's sampling (temperature/top-k/top-p; sampled requests only): a proposer doing p/q rejection
-    # sampling (--speculative-use-rejection-sampling) samples its chain from it and returns the distributions.
-    sampling: SamplingParams | None = None
-
-
-@dataclass
-class ProposeOutput:
-    seq_id: str
-    status: Status = Status.OK
-    tree: DraftTree = field(default_factory=lambda: DraftTree([], []))
-    base_committed_len: int = 0
-    error: str = ""
-    guessed_token_ids: list[int] = field(default_factory=list)  # append_guess: the token appended (tree root)
 
 
 class Proposer(abc.ABC):

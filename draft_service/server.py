@@ -11,8 +11,10 @@ import asyncio
 import logging
 import time
 
+from core.steps import ProposeInput, ProposeOutput
+from core.types import SeqStatus as Status
 from draft_service import convert
-from draft_service.proposer import ProposeInput, ProposeOutput, Proposer, Status
+from draft_service.proposer import Proposer
 from protos import leases
 from protos.errors import ErrorInterceptor
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller

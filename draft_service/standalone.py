@@ -1,33 +1,32 @@
 """STANDALONE proposer: a small causal LM with the target's tokenizer drafts a chain (topk=1) or a top-k tree.
 
-Per Propose: catch the draft KV up with the committed tokens (one batched chain forward), then expand the tree
-step by step with BeamTreeBuilder (one batched tree forward per step), then roll the draft KV back to the committed
-length. The draft's KV for committed tokens is reused across steps; only speculative nodes are thrown away.
+Per Propose (the ModelDrafter skeleton): catch the draft KV up with the committed tokens (one batched chain forward),
+then expand the tree step by step with BeamTreeBuilder (one batched tree forward per step), then roll the draft KV
+back to the committed length. The draft's KV for committed tokens is reused across steps; only speculative nodes
+are thrown away.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 import torch
 
-from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree
+from draft_service.drafter import ModelDrafter
 from runtime.chunked import forward_chunked
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.speculative.draft_step import CatchUp
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 
-class StandaloneProposer(Proposer):
+class StandaloneProposer(ModelDrafter):
     algorithm = "STANDALONE"
+    kv_lag = 0  # a plain LM: KV position p holds committed token p
 
     def __init__(self, runner: ModelRunner):
         super().__init__()
         self.runner = runner
         self.max_context_len = runner.model_config.max_position_embeddings
-
-    def memory(self) -> tuple[int, int]:
-        return self.runner.num_free_tokens(), self.runner.num_total_tokens()
 
     def _on_prefill(self, seq_id: str) -> None:
         # With the runner's prefix cache, the KV of a cached prompt prefix is reused (the last token is always run).
@@ -37,49 +36,9 @@ class StandaloneProposer(Proposer):
         if self.runner.kv_len(seq_id) > kept_len:
             self.runner.truncate(seq_id, kept_len)
 
-    def _on_release(self, seq_id: str) -> None:
-        if self.runner.has_seq(seq_id):
-            self.runner.free_seq(seq_id)
-
-    def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
-        trees: dict[str, DraftTree] = {}
-        # Sequences too close to the context limit (or out of KV) get no proposal: the target decodes alone.
-        active = [inp for inp in inputs if self._fits(inp)]
-        static = self._draft_static(active)
-        if static is not None:
-            return [static.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
-        last_logits = self._catch_up(active)
-        groups: dict[SpecShape, list[ProposeInput]] = defaultdict(list)
-        for inp in active:
-            groups[inp.spec].append(inp)
-        for spec, group in groups.items():
-            first = torch.stack([last_logits[inp.seq_id] for inp in group])  # (b, vocab)
-            for inp, tree in zip(group, self._expand(group, spec, first)):
-                trees[inp.seq_id] = tree
-        for inp in active:  # drop the speculative nodes' KV; committed KV stays for the next step
-            self.runner.truncate(inp.seq_id, inp.committed_len)
-        return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
-
-    def _draft_static(self, inputs: list[ProposeInput]) -> dict[str, DraftTree] | None:
-        """The whole Propose as one static device step (runtime/speculative/draft_step.py) when one was enabled for
-        this shape and every sequence's catch-up fits it; None = draft eagerly."""
-        step = self._static_step_for(inputs)
-        if step is None:
-            return None
-        # The last committed token is always re-run (its logits start the tree): KV [start, C).
-        plans = [(inp, min(self.runner.kv_len(inp.seq_id), inp.committed_len - 1), inp.committed_len)
-                 for inp in inputs]
-        if not self._reserve_static(step, plans):
-            return None
-        bm = self.runner.block_manager
-        items = [CatchUp(self._tokens[inp.seq_id][start:inp.committed_len], start,
-                         bm.slots(inp.seq_id, start, inp.committed_len), bm.block_table(inp.seq_id))
-                 for inp, start, _ in plans]
-        trees = step.propose(items)
-        for inp, _, _ in plans:  # the catch-up is committed, the tree nodes were scratch
-            self.runner.written(inp.seq_id, inp.committed_len)
-            self.runner.cache_prefix(inp.seq_id, self._tokens[inp.seq_id])
-        return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
+    def _caught_up(self, inp: ProposeInput) -> None:
+        # Full blocks of committed tokens become reusable (no-op without the prefix cache).
+        self.runner.cache_prefix(inp.seq_id, self._tokens[inp.seq_id])
 
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """Argmax of the draft after the guessed tail: its guess of the target's bonus token."""
@@ -118,7 +77,9 @@ class StandaloneProposer(Proposer):
             self.runner.cache_prefix(f.seq_id, self._tokens[f.seq_id])
         return {f.seq_id: rows[-1] for f, rows in zip(forwards, out.logits)}
 
-    def _expand(self, group: list[ProposeInput], spec: SpecShape, first: torch.Tensor) -> list[DraftTree]:
+    def _expand(self, group: list[ProposeInput], spec: SpecShape, roots: list[torch.Tensor]) -> list[DraftTree]:
+        """roots: per sequence, the draft's logits (vocab,) after its last committed token."""
+        first = torch.stack(roots)  # (b, vocab)
         builder = BeamTreeBuilder(len(group), spec.num_steps, spec.topk, spec.num_draft_tokens)
         nodes = builder.first(torch.log_softmax(first.float(), dim=-1))
         for step in range(1, spec.num_steps):

@@ -26,9 +26,12 @@ from pathlib import Path
 
 import torch
 
-from draft_service.proposer import Proposer, ProposeInput, SpecShape
+from core.steps import ProposeInput, SpecShape
+from core.types import DraftTree
+from draft_service.drafter import ModelDrafter
+from draft_service.proposer import Proposer
 from runtime.config import EngineConfig, ModelConfig
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, host_rows
+from runtime.speculative.tree import BeamTreeBuilder, host_rows
 
 logger = logging.getLogger(__name__)
 ORACLE_FORMAT = "tandem-synthetic-oracle/1"
@@ -143,8 +146,12 @@ def tree_shape(spec: SpecShape) -> _Shape:
                   [new for new, old in enumerate(order) if picked[old][2]])
 
 
-class SyntheticHead:
-    """An EAGLE-3-sized head with random weights, run for its cost only (runtime/models/eagle3.py)."""
+class SyntheticHead(ModelDrafter):
+    """An EAGLE-3-sized head with random weights (runtime/models/eagle3.py), run for its cost only: a drafter that
+    SyntheticProposer feeds every Prefill / Propose / Release it gets and whose trees it discards."""
+
+    algorithm = "SYNTHETIC"
+    kv_lag = 1  # EAGLE's KV layout: the committed positions [0, C-1)
 
     def __init__(self, target_config: ModelConfig, engine_config: EngineConfig, hidden_size: int | None = None,
                  draft_vocab_size: int = 32000) -> None:
@@ -153,6 +160,7 @@ class SyntheticHead:
         from runtime.models.eagle3 import Eagle3Options, LlamaEagle3ForCausalLM
         from runtime.models.loader import init_dummy_weights
 
+        super().__init__()
         h = hidden_size or target_config.hidden_size
         head_dim = 128 if h % 128 == 0 and h >= 512 else 32
         if h % head_dim:
@@ -171,40 +179,41 @@ class SyntheticHead:
         self.feature_size = self.model.feature_size
         self.draft_vocab_size = options.draft_vocab_size
         self.max_context_len = config.max_position_embeddings
-        self._static: dict[SpecShape, object] = {}  # runtime.speculative.draft_step.StaticDraftStep per shape
 
-    def enable_static_step(self, spec: SpecShape, max_bs: int) -> bool:
-        """Spend this shape's compute as EAGLE-3's static draft step does (one CUDA graph per Propose on CUDA)."""
-        if spec in self._static:
-            return True
-        if not hasattr(self.runner.attn_backend, "use_static_metadata") or spec.num_draft_tokens < 2:
-            return False
+    def _new_static_step(self, spec: SpecShape, max_bs: int):
+        """EAGLE-3's static draft step of this shape (the tree budget capped at what the beam can produce)."""
         from runtime.speculative.draft_step import StaticDraftStep, StepShape
 
         ndt = min(spec.num_draft_tokens, 1 + spec.topk + (spec.num_steps - 1) * spec.topk ** 2)
-        step = StaticDraftStep(self.runner, StepShape(spec.num_steps, spec.topk, max(ndt, 2), spec.num_steps + 1),
+        return StaticDraftStep(self.runner, StepShape(spec.num_steps, spec.topk, max(ndt, 2), spec.num_steps + 1),
                                max_bs, feature_head=True)
-        step.capture()
-        self._static[spec] = step
-        return True
 
-    def release(self, seq_id: str) -> None:
-        if self.runner.has_seq(seq_id):
-            self.runner.free_seq(seq_id)
+    def _on_prefill(self, seq_id: str) -> None:
+        self.runner.add_seq(seq_id)
 
-    def run(self, items: list[tuple[str, list[int], SpecShape]]) -> None:
-        """items: (seq_id, committed tokens, spec). EAGLE's work: catch up the committed tokens the head has not seen
-        (KV holds [0, C-1)), then num_steps - 1 tree forwards of topk nodes and the beam builder; output discarded."""
+    def _fits(self, inp: ProposeInput) -> bool:
+        committed_len, spec = inp.committed_len, inp.spec
+        if committed_len < 2 or spec.num_steps < 1 or committed_len - 1 + spec.num_steps > self.max_context_len:
+            return False
+        kv = self.runner.kv_len(inp.seq_id) if self.runner.has_seq(inp.seq_id) else 0
+        need = committed_len - kv + spec.num_steps * spec.topk + 2 * self.runner.block_manager.block_size
+        return need <= self.runner.num_free_tokens()
+
+    def _catch_up_features(self, inp: ProposeInput, start: int, end: int) -> torch.Tensor:
+        runner = self.runner
+        return torch.full((end - start, self.feature_size), 0.01, device=runner.device, dtype=runner.dtype)
+
+    def _catch_up(self, inputs: list[ProposeInput]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """EAGLE's catch-up over the committed tokens the head has not seen (KV holds [0, C-1)), constant features;
+        per sequence (logits, recurrent hidden) at the root's position C-2."""
         from runtime.model_runner import SeqForward
 
+        if not inputs:
+            return {}
         runner = self.runner
-        fits = [(s, toks, spec) for s, toks, spec in items if self._fits(s, len(toks), spec)]
-        if not fits or self._run_static(fits):
-            return
         forwards = []
-        for seq_id, tokens, _ in fits:
-            if not runner.has_seq(seq_id):
-                runner.add_seq(seq_id)
+        for inp in inputs:
+            seq_id, tokens = inp.seq_id, self._tokens[inp.seq_id]
             first = min(runner.kv_len(seq_id), len(tokens) - 2)
             runner.truncate(seq_id, first)
             n = len(tokens) - 1 - first
@@ -212,55 +221,14 @@ class SyntheticHead:
             forwards.append(SeqForward(seq_id, tokens[first + 1:], logits="last", capture_hidden=True,
                                        input_features=self.model.project_features(feats)))
         out = runner.forward(forwards)
-        groups: dict[SpecShape, list[int]] = {}
-        for i, (_, _, spec) in enumerate(fits):
-            groups.setdefault(spec, []).append(i)
-        for spec, idx in groups.items():
-            self._expand([fits[i] for i in idx], spec, torch.stack([out.logits[i][-1] for i in idx]),
-                         torch.stack([out.hidden[i][-1] for i in idx]))
-        for seq_id, tokens, _ in fits:
-            runner.truncate(seq_id, len(tokens) - 1)
+        return {f.seq_id: (logits[-1], hidden[-1]) for f, logits, hidden in zip(forwards, out.logits, out.hidden)}
 
-    def _run_static(self, fits: list[tuple[str, list[int], SpecShape]]) -> bool:
-        """The batch through the static draft step of its shape (EAGLE-3's work as one graph), if one was enabled and
-        every catch-up fits it; False = run eagerly."""
-        from runtime.speculative.draft_step import CatchUp
-
-        spec = fits[0][2]
-        step = self._static.get(spec)
-        if step is None or len(fits) > step.max_bs or any(f[2] != spec for f in fits):
-            return False
-        runner, bm, shape = self.runner, self.runner.block_manager, step.shape
-        plans = []
-        for seq_id, tokens, _ in fits:
-            if not runner.has_seq(seq_id):
-                runner.add_seq(seq_id)
-            first = min(runner.kv_len(seq_id), len(tokens) - 2)
-            end = len(tokens) - 1
-            if not 1 <= end - first <= shape.catch_up or (
-                    bm.blocks_for(end + shape.num_steps * shape.topk) > step.max_blocks):
-                return False
-            plans.append((seq_id, tokens, first, end))
-        for seq_id, _, first, _ in plans:
-            runner.truncate(seq_id, first)
-        runner.reserve({seq_id: end + shape.num_steps * shape.topk for seq_id, _, _, end in plans})
-        feats = torch.full((shape.catch_up, self.feature_size), 0.01, device=runner.device, dtype=runner.dtype)
-        step.propose([CatchUp(tokens[first + 1:end + 1], first, bm.slots(seq_id, first, end), bm.block_table(seq_id),
-                              feats[:end - first]) for seq_id, tokens, first, end in plans])  # trees discarded
-        for seq_id, _, _, end in plans:
-            runner.written(seq_id, end)
-        return True
-
-    def _fits(self, seq_id: str, committed_len: int, spec: SpecShape) -> bool:
-        if committed_len < 2 or spec.num_steps < 1 or committed_len - 1 + spec.num_steps > self.max_context_len:
-            return False
-        kv = self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
-        need = committed_len - kv + spec.num_steps * spec.topk + 2 * self.runner.block_manager.block_size
-        return need <= self.runner.num_free_tokens()
-
-    def _expand(self, group, spec: SpecShape, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _expand(self, group: list[ProposeInput], spec: SpecShape,
+                roots: list[tuple[torch.Tensor, torch.Tensor]]) -> list[DraftTree]:
         from runtime.model_runner import SeqForward
 
+        logits = torch.stack([root_logits for root_logits, _ in roots])  # (b, draft_vocab)
+        hidden = torch.stack([root_hidden for _, root_hidden in roots])  # (b, H)
         b, k = len(group), spec.topk
         ndt = min(spec.num_draft_tokens, 1 + k + (spec.num_steps - 1) * k * k)
         builder = BeamTreeBuilder(b, spec.num_steps, k, max(ndt, 2))
@@ -274,12 +242,12 @@ class SyntheticHead:
             # draft-vocab ids are valid target ids (the draft vocab is smaller); one readback per step
             tokens, parents = host_rows(nodes.tokens, nodes.parents)
             out = self.runner.forward([
-                SeqForward(seq_id, tokens[i], positions=[len(committed) - 1 + s] * k,
+                SeqForward(inp.seq_id, tokens[i], positions=[inp.committed_len - 1 + s] * k,
                            parents=parents[i], logits="all", capture_hidden=True, input_features=feats[i])
-                for i, (seq_id, committed, _) in enumerate(group)])
+                for i, inp in enumerate(group)])
             parent_hidden = torch.stack(out.hidden)
             nodes = builder.next(torch.log_softmax(torch.stack(out.logits).float(), dim=-1))
-        builder.finalize()  # host readback: the draft's GPU work is done before the tree goes out
+        return builder.finalize()  # host readback: the draft's GPU work is done before the tree goes out
 
 
 @dataclass
@@ -337,6 +305,8 @@ class SyntheticProposer(Proposer):
     def _on_prefill(self, seq_id: str) -> None:
         self._refresh_oracle()
         tokens = self._tokens[seq_id]
+        if self.head is not None:
+            self.head.prefill(seq_id, tokens)
         found = self.oracle.match(tokens)
         if found is None:
             self.stats["unknown_seqs"] += 1
@@ -360,11 +330,11 @@ class SyntheticProposer(Proposer):
     def _on_release(self, seq_id: str) -> None:
         self._seq.pop(seq_id, None)
         if self.head is not None:
-            self.head.release(seq_id)
+            self.head.release([seq_id])
 
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
-        if self.head is not None:
-            self.head.run([(inp.seq_id, self._tokens[inp.seq_id], inp.spec) for inp in inputs])
+        if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
+            self.head.propose(inputs)
         return [self._tree(inp) for inp in inputs]
 
     def _tree(self, inp: ProposeInput) -> DraftTree:

@@ -1,4 +1,5 @@
-"""gRPC clients of the model services, as the scheduler sees them: plain dataclasses in, plain dataclasses out.
+"""gRPC clients of the model services, as the scheduler sees them: the step items of core/steps.py in and out (the
+services' convert modules build the same items from the wire on their side).
 
 Every call has a deadline. Transport failures surface as `PodUnavailable` so the scheduler can fall back (draft) or
 fail over (target) without knowing about grpc. The per-step RPCs (Verify, Propose) travel on one persistent
@@ -8,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.types import FinishReason, SeqStatus, StopRule
+from core.steps import DraftPrefillInput, PrefillInput, ProposeInput, ProposeOutput, StepOutput, VerifyInput
+from core.types import DraftTree, FinishReason, SamplingParams, SeqStatus, StopRule
 from gateway.features import FeatureRows
-from gateway.types import RequestSampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.service_auth import bearer_metadata
@@ -26,74 +25,6 @@ logger = logging.getLogger(__name__)
 
 class PodUnavailable(Exception):
     """The pod could not be reached or failed the call (transport error, deadline, internal error)."""
-
-
-@dataclass
-class TargetPrefillItem:
-    seq_id: str
-    token_ids: list[int]
-    sample_next_token: bool
-    sampling: RequestSampling
-    stop: StopRule
-    return_features: bool = False
-    logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and k alternatives
-
-
-@dataclass
-class VerifyItem:
-    seq_id: str
-    committed_len: int
-    root_token_id: int
-    tree_tokens: list[int]
-    tree_parents: list[int]
-    sampling: RequestSampling
-    stop: StopRule
-    return_features: bool = False
-    num_decode_steps: int = 1  # empty tree: decode steps the target runs back to back in this call
-    logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and k alternatives
-    draft_probs: FeatureRows | None = None  # the draft's q per node (rejection sampling), opaque bytes
-
-
-@dataclass
-class StepResult:
-    """One sequence's answer to a step RPC."""
-
-    seq_id: str
-    status: SeqStatus
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None  # None: still running
-    num_accepted_drafts: int = 0
-    num_draft_tokens: int = 0
-    error: str = ""
-    features: FeatureRows | None = None  # target features of the tokens that gained KV (feature drafts)
-    num_steps: int = 1  # target forward steps covered (continuous decode: several)
-    # per token when asked: (logprob, top token ids, top logprobs)
-    logprobs: list[tuple[float, list[int], list[float]]] | None = None
-    num_cached_tokens: int = 0  # prefill: prompt tokens the target took from its prefix cache
-
-
-@dataclass
-class ProposeItem:
-    seq_id: str
-    committed_len: int
-    new_token_ids: list[int]
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-    features: FeatureRows | None = None  # one row per new token: the feature of the token before it
-    append_guess: bool = False  # pre-draft: new tokens end with a guess; the draft appends its own next token
-    sampling: RequestSampling | None = None  # sampled requests: what a rejection-sampling draft samples from
-
-
-@dataclass
-class Proposal:
-    seq_id: str
-    status: SeqStatus
-    tree_tokens: list[int]
-    tree_parents: list[int]
-    base_committed_len: int
-    guessed_token_ids: list[int] = field(default_factory=list)  # pre-draft: the token the draft appended
-    draft_probs: FeatureRows | None = None  # rejection-sampling drafts: q of every node, passed on to Verify
 
 
 STATUS_OK = SeqStatus.OK
@@ -112,10 +43,10 @@ def _status(value: int) -> SeqStatus:
         return SeqStatus.INVALID
 
 
-def _sampling(s: RequestSampling) -> pb.SamplingParams:
+def _sampling(s: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                            repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias)
+                            repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias))
     if s.seed is not None:
         msg.seed = s.seed
     return msg
@@ -273,32 +204,31 @@ class TargetClient(_Client):
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
 
-    async def prefill(self, items: list[TargetPrefillItem]) -> list[StepResult]:
+    async def prefill(self, items: list[PrefillInput]) -> list[StepOutput]:
         request = pb.TargetPrefillRequest(seqs=[
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
                                 sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                                 return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self._call(self.stub.Prefill, request)
-        return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
-                           error=r.error,
+        return [StepOutput(r.seq_id, _status(r.status), list(r.token_ids),
+                           finish_reason=_FINISH_FROM_PB.get(r.finish_reason), error=r.error,
                            features=_features_from_pb(r.features), logprobs=_logprobs(r),
                            num_cached_tokens=r.num_cached_tokens) for r in response.results]
 
-    async def verify(self, items: list[VerifyItem]) -> list[StepResult]:
+    async def verify(self, items: list[VerifyInput]) -> list[StepOutput]:
         request = pb.VerifyRequest(seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
-                         tree=pb.DraftTree(token_ids=i.tree_tokens, parents=i.tree_parents,
-                                           draft_probs=_features_to_pb(i.draft_probs)),
+                         tree=pb.DraftTree(token_ids=i.tree.token_ids, parents=i.tree.parents,
+                                           draft_probs=_features_to_pb(i.tree.draft_probs)),
                          sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                          num_decode_steps=i.num_decode_steps, return_logprobs=i.logprobs >= 0,
                          top_logprobs=max(i.logprobs, 0))
             for i in items])
         response = await self.verify_stream(request)
-        return [StepResult(r.seq_id, _status(r.status), list(r.token_ids), _FINISH_FROM_PB.get(r.finish_reason),
-                           r.num_accepted_drafts,
-                           r.num_draft_tokens, r.error, _features_from_pb(r.features), max(1, r.num_steps),
-                           _logprobs(r))
+        return [StepOutput(r.seq_id, _status(r.status), list(r.token_ids), r.num_accepted_drafts, r.num_draft_tokens,
+                           _FINISH_FROM_PB.get(r.finish_reason), r.error, _features_from_pb(r.features),
+                           max(1, r.num_steps), _logprobs(r))
                 for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
@@ -316,23 +246,26 @@ class DraftClient(_Client):
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         return await self._call(self.stub.Info, pb.InfoRequest(), timeout_s)
 
-    async def prefill(self, seqs: list[tuple[str, list[int], FeatureRows | None]]) -> list[SeqStatus]:
-        request = pb.DraftPrefillRequest(seqs=[pb.DraftPrefillSeq(seq_id=s, token_ids=t, features=_features_to_pb(f))
-                                               for s, t, f in seqs])
+    async def prefill(self, seqs: list[DraftPrefillInput]) -> list[SeqStatus]:
+        request = pb.DraftPrefillRequest(seqs=[
+            pb.DraftPrefillSeq(seq_id=s.seq_id, token_ids=s.token_ids, features=_features_to_pb(s.features))
+            for s in seqs])
         response = await self._call(self.stub.Prefill, request)
         return [_status(r.status) for r in response.results]
 
-    async def propose(self, items: list[ProposeItem]) -> list[Proposal]:
+    async def propose(self, items: list[ProposeInput]) -> list[ProposeOutput]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
                           features=_features_to_pb(i.features),
-                          spec=pb.SpecParams(num_steps=i.num_steps, topk=i.topk, num_draft_tokens=i.num_draft_tokens),
+                          spec=pb.SpecParams(num_steps=i.spec.num_steps, topk=i.spec.topk,
+                                             num_draft_tokens=i.spec.num_draft_tokens),
                           append_guess=i.append_guess,
                           sampling=_sampling(i.sampling) if i.sampling is not None else None)
             for i in items])
         response = await self.propose_stream(request)
-        return [Proposal(r.seq_id, _status(r.status), list(r.tree.token_ids), list(r.tree.parents),
-                         r.base_committed_len, list(r.guessed_token_ids), _features_from_pb(r.tree.draft_probs))
+        return [ProposeOutput(r.seq_id, _status(r.status), DraftTree(list(r.tree.token_ids), list(r.tree.parents),
+                                                                    _features_from_pb(r.tree.draft_probs)),
+                              r.base_committed_len, r.error, list(r.guessed_token_ids))
                 for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:

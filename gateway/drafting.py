@@ -16,7 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from core import algorithms
-from gateway.clients import STATUS_OK, STATUS_STALE, DraftClient, PodUnavailable, ProposeItem
+from core.steps import DraftPrefillInput, ProposeInput, SpecShape
+from core.types import ROOT, DraftTree
+from gateway.clients import STATUS_OK, STATUS_STALE, DraftClient, PodUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.pods import PodPool
 from gateway.sequence import Predraft, Sequence
@@ -40,6 +42,10 @@ class SpecConfig:
         return algorithms.get(self.algorithm)
 
     @property
+    def shape(self) -> SpecShape:
+        return SpecShape(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
     def enabled(self) -> bool:
         return self.entry.drafts
 
@@ -56,12 +62,10 @@ class Drafting:
         self.metrics = metrics
         self.enable_overlap = enable_overlap
 
-    async def propose(self, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                       ) -> dict[str, tuple]:
-        """Trees per sequence from the draft pods (one batched call per pod): (tokens, parents[, q of a
-        rejection-sampling draft, opaque bytes]); sequences without a reachable draft pod get no tree (a target-only
-        step). shape: (steps, topk, num_draft_tokens) of this step (None = the
-        configured one)."""
+    async def propose(self, seqs: list[Sequence], shape: SpecShape | None = None) -> dict[str, DraftTree]:
+        """Trees per sequence from the draft pods (one batched call per pod; a rejection-sampling draft's q rides in
+        draft_probs as opaque bytes); sequences without a reachable draft pod get no tree (a target-only step).
+        shape: this step's (None = the configured one)."""
         if not self.spec.enabled or not len(self.pool):
             return {}
         if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
@@ -73,24 +77,25 @@ class Drafting:
                 seq.draft_synced_len = 0
             if seq.draft is not None:
                 groups[seq.draft].append(seq)
-        trees: dict[str, tuple] = {}
+        trees: dict[str, DraftTree] = {}
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
         return trees
 
-    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: tuple[int, int, int] | None = None
-                          ) -> dict[str, tuple]:
-        steps, topk, ndt = shape or (self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens)
+    async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: SpecShape | None = None
+                          ) -> dict[str, DraftTree]:
+        shape = shape or self.spec.shape
         try:
             unsynced = [s for s in seqs if s.draft_synced_len == 0]
             if unsynced:
-                statuses = await pod.prefill([(s.seq_id, s.committed[:], self.features(s, 0)) for s in unsynced])
+                statuses = await pod.prefill([DraftPrefillInput(s.seq_id, s.committed[:], self.features(s, 0))
+                                              for s in unsynced])
                 for seq, status in zip(unsynced, statuses):
                     if status == STATUS_OK:
                         seq.draft_synced_len = len(seq.committed)
             ready = [s for s in seqs if s.draft_synced_len > 0]
-            items = [ProposeItem(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], steps, topk, ndt,
-                                 self.features(s, s.draft_synced_len - 1), sampling=_sampled(s)) for s in ready]
+            items = [ProposeInput(s.seq_id, len(s.committed), s.committed[s.draft_synced_len:], shape,
+                                  self.features(s, s.draft_synced_len - 1), sampling=_sampled(s)) for s in ready]
             proposals = await self.metrics.timed("draft", pod.propose(items)) if items else []
         except (PodUnavailable, ValueError) as exc:
             if isinstance(exc, PodUnavailable):
@@ -107,7 +112,7 @@ class Drafting:
                 seq.draft_synced_len = 0
             elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
                 seq.draft_synced_len = len(seq.committed)
-                trees[seq.seq_id] = (proposal.tree_tokens, proposal.tree_parents, proposal.draft_probs)
+                trees[seq.seq_id] = proposal.tree
         return trees
 
     def features(self, seq: Sequence, start: int):
@@ -123,7 +128,7 @@ class Drafting:
         # the target features of the guessed tokens, which exist only after the verify.
         return self.enable_overlap and self.spec.entry.supports_overlap and len(self.pool) > 0
 
-    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, tuple]:
+    def take_predrafts(self, seqs: list[Sequence]) -> dict[str, DraftTree]:
         """Trees pre-drafted last step whose guess came true (hits); the others are dropped (misses)."""
         trees = {}
         for seq in seqs:
@@ -133,22 +138,22 @@ class Drafting:
             if predraft.pod is seq.draft and not self.pool.is_down(predraft.pod) and predraft.matches(seq.committed):
                 seq.predraft_hits += 1
                 seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
-                trees[seq.seq_id] = (predraft.tree_tokens, predraft.tree_parents)
+                trees[seq.seq_id] = predraft.tree
             else:
                 seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
         return trees
 
-    def predraft_items(self, seqs: list[Sequence], trees) -> dict[object, list]:
+    def predraft_items(self, seqs: list[Sequence], trees: dict[str, DraftTree]) -> dict[object, list]:
         """Per draft pod: (seq, committed len now, guessed path, pre-draft Propose) for every sequence with a tree."""
         by_pod: dict[object, list] = defaultdict(list)
         for seq in seqs:
-            tokens, parents = trees.get(seq.seq_id, ([], []))[:2]
-            if not tokens or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
+            tree = trees.get(seq.seq_id)
+            if not tree or seq.draft is None or seq.draft_synced_len == 0 or seq.finished:
                 continue
-            path = _first_child_path(tokens, parents)
+            path = _first_child_path(tree)
             committed_len = len(seq.committed)
-            item = ProposeItem(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
-                               self.spec.num_steps, self.spec.topk, self.spec.num_draft_tokens, append_guess=True)
+            item = ProposeInput(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
+                                self.spec.shape, append_guess=True)
             by_pod[seq.draft].append((seq, committed_len, path, item))
         return by_pod
 
@@ -173,7 +178,7 @@ class Drafting:
             if proposal.status == STATUS_OK and proposal.guessed_token_ids and (
                     proposal.base_committed_len == item.committed_len + len(proposal.guessed_token_ids)):
                 seq.predraft = Predraft(pod, proposal.base_committed_len, [*path, *proposal.guessed_token_ids],
-                                        proposal.tree_tokens, proposal.tree_parents)
+                                        proposal.tree)
 
 
 def _sampled(seq: Sequence):
@@ -182,13 +187,13 @@ def _sampled(seq: Sequence):
     return sampling if sampling.temperature > 0 else None
 
 
-def _first_child_path(tokens: list[int], parents: list[int]) -> list[int]:
+def _first_child_path(tree: DraftTree) -> list[int]:
     """The draft's own best guess of the accepted path: from the root, the first child in node order at every level
     (drafts list a parent's children best first; a chain is its whole self)."""
-    path, node = [], -1
+    path, node = [], ROOT
     while True:
-        child = next((i for i, p in enumerate(parents) if p == node), None)
+        child = next((i for i, p in enumerate(tree.parents) if p == node), None)
         if child is None:
             return path
-        path.append(tokens[child])
+        path.append(tree.token_ids[child])
         node = child

@@ -29,7 +29,7 @@ from gateway.types import (
     GenerationBackend,
     MAX_STOP_STRINGS,
     InvalidRequest,
-    RequestSampling,
+    request_sampling,
 )
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -119,7 +119,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         if len(request.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(request.stop)}",
                                  "stop")
-        sampling = RequestSampling(  # 0 is proto3's "unset" for top_p / top_k; other values are checked as on REST
+        sampling = request_sampling(  # 0 is proto3's "unset" for top_p / top_k; other values are checked as on REST
             temperature=request.temperature,
             top_p=request.top_p if request.top_p != 0.0 else 1.0,
             top_k=request.top_k if request.top_k != 0 else -1,

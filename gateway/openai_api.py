@@ -46,7 +46,7 @@ from gateway.types import (
     GenerationBackend,
     InvalidRequest,
     ModelNotFound,
-    RequestSampling,
+    request_sampling,
 )
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class _OpenAIServer:
         stop_token_ids = list(req.stop_token_ids or [])
         if any(t < 0 for t in stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative", "stop_token_ids")
-        sampling = RequestSampling(
+        sampling = request_sampling(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k in (None, 0) else req.top_k,

@@ -23,11 +23,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from core import algorithms
-from core.types import StopRule
+from core.steps import PrefillInput, SpecShape, VerifyInput
+from core.types import DraftTree, StopRule
 from gateway.adaptive import AdaptiveSpec
 from gateway.drafting import Drafting, SpecConfig
-from gateway.clients import (STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, TargetClient,
-                             TargetPrefillItem, VerifyItem)
+from gateway.clients import STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, PodUnavailable, TargetClient
 from gateway.metrics import GatewayMetrics
 from gateway.overlap import PINGPONG, OverlapSchedule
 from gateway.pods import PodPool
@@ -118,11 +118,14 @@ class Scheduler:
         if (config.overlap_schedule != "off" and adaptive is None and not config.enable_overlap_drafting
                 and spec.entry.drafts and drafts):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
-        self._pending: dict[str, tuple] = {}  # ping-pong: trees (as Drafting.propose gives them) not yet verified
+        self._pending: dict[str, DraftTree] = {}  # ping-pong: trees drafted, not yet verified
         self._last_step_end: tuple[int, float] = (-1, 0.0)  # (num_steps after it, perf_counter) of the last step
-        # Result processing off the critical path: a Verify's tokens are committed at once (the next Propose needs
-        # them) but detokenized, stop-matched and streamed while that Propose is in flight (Sequence.deliver).
-        self._defer_delivery = spec.entry.drafts and bool(drafts)
+        # Result processing off the critical path: a Verify's tokens are committed at once (the next step needs
+        # them) but detokenized, stop-matched and streamed while the next call is in flight (Sequence.deliver): the
+        # next Propose, or on a step that drafts nothing (plain decoding, an adaptive tier of 0 steps) the next
+        # Verify. 8B plain decoding through the services lost 20-28 ms per 4-step call at batch 32-64 streaming
+        # its tokens between calls (bench/results/speculative_h200/adaptive/NOTES.md, seventh session).
+        self._drafts_nothing = not (spec.entry.drafts and drafts)
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -341,8 +344,8 @@ class Scheduler:
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
         feats = self.spec.needs_features
-        items = [TargetPrefillItem(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats,
-                                   _logprobs(s)) for s in seqs]
+        items = [PrefillInput(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats,
+                              _logprobs(s)) for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
@@ -417,7 +420,7 @@ class Scheduler:
             trees = await self.drafting.propose(drafting) if drafting else {}
             for seq in drafting:  # no tree (no draft pod, STALE): the next phase verifies it as a plain decode step
                 if not seq.finished:
-                    self._pending[seq.seq_id] = trees.get(seq.seq_id, ([], []))
+                    self._pending[seq.seq_id] = trees.get(seq.seq_id, DraftTree([], []))
 
         verify = asyncio.gather(*self._verifies(verifying, pending))
         both = asyncio.ensure_future(asyncio.gather(timed("verify", verify), timed("draft", draft_half())))
@@ -429,7 +432,8 @@ class Scheduler:
             self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
         return bool(verifying)
 
-    async def _propose_delivering(self, seqs: list[Sequence], to_propose: list[Sequence], shape=None) -> dict:
+    async def _propose_delivering(self, seqs: list[Sequence], to_propose: list[Sequence],
+                                  shape: SpecShape | None = None) -> dict[str, DraftTree]:
         """Propose for `to_propose` and, while that call is in flight, deliver the held outputs of `seqs`."""
         if not to_propose:
             self._deliver(seqs)
@@ -439,12 +443,20 @@ class Scheduler:
         self._deliver(seqs)
         return await task
 
+    async def _verify_delivering(self, seqs: list[Sequence]) -> None:
+        """Plain decode steps for `seqs` and, while those Verify calls are in flight, deliver their held outputs.
+        A sequence a stop string ends meanwhile ignores its step's result (Sequence.commit) and is released."""
+        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, {})))
+        await asyncio.sleep(0)  # let the calls go out before the host work below
+        self._deliver(seqs)
+        await task
+
     @staticmethod
     def _deliver(seqs: list[Sequence]) -> None:
         for seq in seqs:
             seq.deliver()
 
-    def _take_pending(self, seqs: list[Sequence]) -> dict[str, tuple]:
+    def _take_pending(self, seqs: list[Sequence]) -> dict[str, DraftTree]:
         """Trees drafted in an earlier ping-pong phase for these sequences (drafted from their committed tokens as
         they still are: nothing verifies a sequence while its tree is pending)."""
         if not self._pending:
@@ -459,11 +471,15 @@ class Scheduler:
         if overlap:
             trees = self.drafting.take_predrafts(seqs)
             trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
-        elif adaptive_steps == 0:
-            self._deliver(seqs)
-            trees = {}  # this batch size's tier does not speculate: a plain decode step through Verify
+        elif adaptive_steps == 0 or self._drafts_nothing:
+            # plain decode steps through Verify (no draft, or this batch size's tier does not speculate): the held
+            # outputs are delivered while the Verify is in flight
+            await self._verify_delivering(seqs)
+            if adaptive_steps is not None:
+                self.adaptive.observe(len(seqs), adaptive_steps, None)
+            return
         elif adaptive_steps is not None:
-            trees = await self._propose_delivering(seqs, seqs, (adaptive_steps, 1, adaptive_steps + 1))
+            trees = await self._propose_delivering(seqs, seqs, SpecShape(adaptive_steps, 1, adaptive_steps + 1))
         else:
             trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
             trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
@@ -493,12 +509,10 @@ class Scheduler:
         items = []
         decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
-            tree = trees.get(seq.seq_id, ([], []))
-            tokens, parents = tree[:2]
-            draft_probs = tree[2] if len(tree) > 2 else None  # q of a rejection-sampling draft (opaque bytes)
-            items.append(VerifyItem(seq.seq_id, len(seq.committed), seq.committed[-1], tokens, parents,
-                                    seq.params.sampling, seq.stop, self.spec.needs_features,
-                                    decode_steps if not tokens else 1, _logprobs(seq), draft_probs))
+            tree = trees.get(seq.seq_id, DraftTree([], []))  # an empty tree is a plain decode step
+            items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
+                                     seq.stop, self.spec.needs_features, decode_steps if not tree.token_ids else 1,
+                                     _logprobs(seq)))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
@@ -528,7 +542,7 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None:
                     seq.features.append(result.features)
-                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=self._defer_delivery)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
 
 
 def _logprobs(seq: Sequence) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from core.types import StopRule
+from core.types import DraftTree, StopRule
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.features import FeatureLog
 from gateway.types import FinishReason, GenerateChunk, GenerateParams, Usage
@@ -20,8 +20,7 @@ class Predraft:
     pod: object  # the DraftClient that holds the guessed tail
     base_len: int
     tail: list[int]
-    tree_tokens: list[int]
-    tree_parents: list[int]
+    tree: DraftTree
 
     def matches(self, committed: list[int]) -> bool:
         return len(committed) == self.base_len and committed[self.base_len - len(self.tail):] == self.tail

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from core.types import MAX_SEED, SamplingParams
 from core.types import FinishReason  # noqa: F401  (re-exported: the front ends' finish reasons)
 
 
@@ -62,44 +63,39 @@ class DeadlineExceeded(GatewayError):
     error_type = "timeout_error"
 
 
-MAX_SEED = 2**63 - 1  # the pods' per-sequence generators take seeds in [0, 2**63)
 MAX_TOP_K = 2**31 - 1  # int32 on the wire; any k >= the vocabulary keeps every token
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # per position, as OpenAI's API
 
 
-@dataclass(frozen=True)
-class RequestSampling:
-    """Sampling knobs of one request; temperature 0 means greedy. The one check of their domain, shared by the REST
-    and gRPC fronts: every value accepted here is accepted by the pods (a seed of -1 is turned into None, "no seed",
-    by the fronts before it gets here)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    presence_penalty: float = 0.0  # OpenAI, over generated tokens, [-2, 2]
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # HF/vLLM, over prompt and generated tokens, > 0
-    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI: token id -> bias in [-100, 100]
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 100.0):
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}", "temperature")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
-            raise InvalidRequest(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k}", "top_k")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidRequest(f"seed must be in [0, 2**63) (-1 or null = no seed), got {self.seed}", "seed")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
-            raise InvalidRequest("logit_bias maps token ids >= 0 to biases in [-100, 100]", "logit_bias")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise InvalidRequest(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty}",
-                                 "repetition_penalty")
+def request_sampling(temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                     logit_bias: dict[int, float] | None = None) -> SamplingParams:
+    """The sampling knobs of one request (temperature 0 means greedy), checked once for the REST and gRPC fronts:
+    InvalidRequest names the first field out of range, and every value accepted here is accepted by the pods (a seed
+    of -1 is turned into None, "no seed", by the fronts before it gets here). logit_bias: OpenAI's {token id: bias}."""
+    logit_bias = logit_bias or {}
+    if not (0.0 <= temperature <= 100.0):
+        raise InvalidRequest(f"temperature must be in [0, 100], got {temperature}", "temperature")
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    if not _is_int(top_k) or top_k == 0 or top_k < -1 or top_k > MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {top_k}", "top_k")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise InvalidRequest(f"seed must be in [0, 2**63) (-1 or null = no seed), got {seed}", "seed")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2.0 <= value <= 2.0:
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", name)
+    if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in logit_bias.items()):
+        raise InvalidRequest("logit_bias maps token ids >= 0 to biases in [-100, 100]", "logit_bias")
+    if not 0.0 < repetition_penalty <= 100.0:
+        raise InvalidRequest(f"repetition_penalty must be in (0, 100] (1 = off), got {repetition_penalty}",
+                             "repetition_penalty")
+    try:
+        return SamplingParams(temperature, top_p, top_k, seed, presence_penalty, frequency_penalty, repetition_penalty,
+                              logit_bias)
+    except ValueError as exc:  # a value of the wrong type (the checks above bound every number)
+        raise InvalidRequest(str(exc)) from None
 
 
 def _is_int(value) -> bool:
@@ -116,7 +112,7 @@ def check_params(params: "GenerateParams", vocab_size: int) -> None:
         raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if any(not _is_int(t) or not 0 <= t < vocab_size for t in params.stop_token_ids):
         raise InvalidRequest(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
-    if any(token >= vocab_size for token in params.sampling.logit_bias):
+    if any(token >= vocab_size for token, _ in params.sampling.logit_bias):
         raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
     if len(params.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(params.stop)}", "stop")
@@ -131,7 +127,7 @@ class GenerateParams:
     request_id: str
     prompt_token_ids: list[int]
     max_new_tokens: int
-    sampling: RequestSampling = field(default_factory=RequestSampling)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # checked by request_sampling
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the output
     stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS ids
     ignore_eos: bool = False

@@ -1,4 +1,5 @@
-"""Sampling parameters, logit processing and seeded sampling shared by plain decode and speculative verify.
+"""Logit processing and seeded sampling shared by plain decode and speculative verify (the parameters are
+core.types.SamplingParams).
 
 Owns the one definition of "the target distribution": penalties (repetition, then frequency and presence, as vLLM
 applies them), then temperature, then top-k, then top-p renormalisation. Plain decode and tree verification both call
@@ -7,70 +8,21 @@ Knows nothing about trees, KV caches or the wire; every function follows the dev
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-_MAX_SEED = 2**63 - 1
+from core.types import SamplingParams
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-sequence sampling settings. `temperature == 0` (or `top_k == 1`) means greedy; `top_k == -1` disables."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    # OpenAI's presence/frequency penalties (over generated tokens) and HF/vLLM's repetition penalty (over prompt and
-    # generated tokens): 0, 0 and 1 leave the logits alone.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI logit_bias: (token id, added to its logit), in [-100, 100]
-
-    def __post_init__(self) -> None:
-        temp = self.temperature
-        if not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        rp = self.repetition_penalty
-        if not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {rp!r}")
-        for token, bias in self.logit_bias:
-            if not _is_int(token) or token < 0 or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token!r}: {bias!r}")
-
-    @property
-    def has_penalties(self) -> bool:
-        """Penalties or a logit bias: the raw logits are adjusted before temperature / top-k / top-p."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
-
-    @property
-    def is_greedy(self) -> bool:
-        # top_k == 1 leaves one token after processing, so it is argmax sampling whatever the temperature.
-        return self.temperature == 0 or self.top_k == 1
-
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        """A generator private to one sequence: seeded when `seed` is set, otherwise from fresh entropy."""
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator private to one sequence: seeded when `params.seed` is set, otherwise from fresh entropy."""
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
 
 
 def penalize_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
@@ -183,7 +135,3 @@ def sample_with_coins(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
     # Rounding can push target onto the total; fall back to the last token that has mass, never a zero-mass one.
     last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # (R,)
     return torch.minimum(idx, last_nonzero)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

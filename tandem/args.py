@@ -19,7 +19,7 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "tandem-demo-code"
 # The bundled drafts of DEFAULT_MODEL (registry entries name them: bundled_draft).
 DEFAULT_DRAFT = REPO_ROOT / "models" / algorithms.get("STANDALONE").bundled_draft
 DEFAULT_EAGLE3 = REPO_ROOT / "models" / algorithms.get("EAGLE3").bundled_draft
-DEFAULT_EAGLE = REPO_ROOT / "models" / algorithms.get("EAGLE").bundled_draft  # EAGLE-2 head (CPU-trained)
+DEFAULT_EAGLE = DEFAULT_MODEL  # EAGLE / NEXTN: the bundled target's own MTP layer (num_nextn_predict_layers 1)
 
 
 def add_model_args(p: argparse.ArgumentParser, *, draft: bool = False) -> None:

@@ -256,7 +256,7 @@ def _static_step(proposer, args: argparse.Namespace):
     """Propose the served shape, and with --speculative-adaptive every tier's chain (steps/1/steps+1), as one static
     device step each (one CUDA graph per batch bucket) where the draft runner can (a GPU, the triton backend, graphs
     on); other shapes (pre-drafts) and other devices draft step by step."""
-    from draft_service.proposer import SpecShape
+    from core.steps import SpecShape
 
     steps, topk, ndt = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
     runner = proposer.runner

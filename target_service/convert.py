@@ -10,13 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from core.types import FinishReason
+from core.steps import PrefillInput, StepOutput, VerifyInput
+from core.types import DraftTree, FinishReason, SamplingParams, StopRule
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
-from runtime.sampling import SamplingParams
-from runtime.speculative.tree import DraftTree
-from target_service.engine import (MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, PrefillInput, Status, StepOutput, StopRule,
-                                   VerifyInput)
+from target_service.engine import MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, Status
 
 DEFAULT_MAX_TREE_NODES = 512  # draft nodes one Verify may carry per sequence (--max-verify-tree-nodes)
 
@@ -136,7 +134,7 @@ def merge(slots: list[StepOutput | None], outputs: list[StepOutput]) -> list[Ste
 
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
     msg = pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
-                                 finish_reason=FINISH_TO_PB[out.finish], error=out.error, logprobs=_logprobs_pb(out),
+                                 finish_reason=FINISH_TO_PB[out.finish_reason], error=out.error, logprobs=_logprobs_pb(out),
                                  num_cached_tokens=out.num_cached_tokens)
     if out.features is not None:
         msg.features.CopyFrom(tensor_to_pb(out.features))
@@ -146,7 +144,7 @@ def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
 def verify_result(out: StepOutput) -> pb.VerifyResult:
     msg = pb.VerifyResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
                           num_accepted_drafts=out.num_accepted_drafts, num_draft_tokens=out.num_draft_tokens,
-                          finish_reason=FINISH_TO_PB[out.finish], error=out.error, num_steps=out.num_steps,
+                          finish_reason=FINISH_TO_PB[out.finish_reason], error=out.error, num_steps=out.num_steps,
                           logprobs=_logprobs_pb(out))
     if out.features is not None:
         msg.features.CopyFrom(tensor_to_pb(out.features))

@@ -2,72 +2,28 @@
 
 Owns per-sequence committed tokens (a mirror of the gateway's list, used to check `committed_len`), sampling
 generators and the KV held by the ModelRunner. Knows nothing about gRPC: the servicer converts wire messages into
-the dataclasses below. Invariant per sequence: KV holds `len(token_ids) - 1` tokens; the last committed token is the
+the step items of core/steps.py. Invariant per sequence: KV holds `len(token_ids) - 1` tokens; the last committed token is the
 pending root of the next verify.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from core.types import FinishReason, StopRule
+from core.steps import PrefillInput, StepOutput, VerifyInput
+from core.types import FinishReason
 from core.types import SeqStatus as Status
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks
 from runtime.model_runner import ModelRunner, SeqForward
-from runtime.sampling import SamplingParams
 from runtime.speculative.acceptance import GreedyRows, TargetSeq, accept, new_generator, sample_rows, token_logprobs
-from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import EXACT, AcceptThresholds
 from runtime.speculative.verify_step import VerifyItem
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
-
-
-@dataclass
-class PrefillInput:
-    seq_id: str
-    token_ids: list[int]
-    sample_next_token: bool
-    sampling: SamplingParams
-    stop: StopRule
-    return_features: bool = False
-    logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and the top k alternatives
-
-
-@dataclass
-class VerifyInput:
-    seq_id: str
-    committed_len: int
-    root_token_id: int
-    tree: DraftTree
-    sampling: SamplingParams
-    stop: StopRule
-    return_features: bool = False
-    num_decode_steps: int = 1  # empty tree only: decode steps run back to back in this call
-    logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and the top k alternatives
-
-
-@dataclass
-class StepOutput:
-    seq_id: str
-    status: Status = Status.OK
-    token_ids: list[int] = field(default_factory=list)
-    num_accepted_drafts: int = 0
-    num_draft_tokens: int = 0
-    finish: FinishReason | None = None  # None: still running
-    error: str = ""
-    # Target features of the tokens that gained KV in this call (feature-based drafts): prefill → one row per
-    # prompt token; verify → the root and the accepted drafts. Row i is the feature of the i-th such token.
-    features: torch.Tensor | None = None  # (rows, feature_dim)
-    num_steps: int = 1  # target forward steps this output covers (continuous decode: up to num_decode_steps)
-    # per emitted token when asked: (logprob, top token ids, top logprobs) under the raw target distribution
-    logprobs: list[tuple[float, list[int], list[float]]] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
 
 
 class TargetEngine:
@@ -195,7 +151,7 @@ class TargetEngine:
         more = [(inp, out) for inp, out in zip(inputs, outputs) if inp.num_decode_steps > 1 and not inp.tree.token_ids]
         forward_ms += self._pipelined_steps(more)
         while True:
-            more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish is None
+            more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish_reason is None
                     and out.token_ids and out.num_steps < inp.num_decode_steps and inp.seq_id in self._seqs]
             if not more:
                 break
@@ -210,7 +166,7 @@ class TargetEngine:
                     continue
                 out.token_ids += step.token_ids
                 out.logprobs += step.logprobs
-                out.finish = step.finish
+                out.finish_reason = step.finish_reason
                 out.num_steps += 1
                 if step.features is not None and out.features is not None:
                     out.features = torch.cat([out.features, step.features])
@@ -226,7 +182,7 @@ class TargetEngine:
         milliseconds spent."""
         if not more:
             return 0.0
-        group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish is None
+        group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish_reason is None
                  and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
                  and not inp.sampling.has_penalties and inp.seq_id in self._seqs]
         if not group or not self.runner.can_decode_continuously([inp.seq_id for inp, _ in group]):
@@ -244,7 +200,7 @@ class TargetEngine:
             step = StepOutput(inp.seq_id)
             self._commit(step, self._seqs[inp.seq_id], emitted)  # a cut (stop, length) finishes and frees the seq
             out.token_ids += step.token_ids
-            out.finish = step.finish
+            out.finish_reason = step.finish_reason
             out.num_steps += len(step.token_ids)
         return (time.perf_counter() - start) * 1e3
 
@@ -431,10 +387,10 @@ class TargetEngine:
             kept.append(token)
             generated = len(seq.token_ids) + len(kept) - stop.prompt_len
             if token in stop.stop_token_ids and not stop.ignore_eos:
-                out.finish = FinishReason.STOP
+                out.finish_reason = FinishReason.STOP
                 break
             if generated >= stop.max_new_tokens or len(seq.token_ids) + len(kept) >= self.max_context_len:
-                out.finish = FinishReason.LENGTH
+                out.finish_reason = FinishReason.LENGTH
                 break
         if len(kept) < len(tokens):  # accepted drafts past the stop are not committed
             out.num_accepted_drafts = min(out.num_accepted_drafts, len(kept))
@@ -442,6 +398,6 @@ class TargetEngine:
         out.token_ids = kept
         if self._prefix_cache:  # blocks the new tokens filled become reusable (multi-turn chat, n > 1, retries)
             self.runner.cache_prefix(out.seq_id, seq.token_ids)
-        if out.finish is not None:
+        if out.finish_reason is not None:
             # The gateway releases finished sequences; drop the KV now so a lost Release cannot leak it.
             self.release([out.seq_id])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from gateway.clients import DraftClient, TargetClient
 from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
-from gateway.types import GenerateParams, RequestSampling
+from gateway.types import GenerateParams, request_sampling
 
 
 def perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
@@ -140,7 +140,7 @@ async def generate_ids(scheduler: Scheduler, prompt: list[int], max_new_tokens: 
                        seed: int | None = None, request_id: str = "r") -> tuple[list[int], object]:
     """Run one request to completion; returns (output ids, final usage)."""
     params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
-                            sampling=RequestSampling(temperature=temperature, seed=seed), detokenize=False)
+                            sampling=request_sampling(temperature=temperature, seed=seed), detokenize=False)
     out, usage, finish = [], None, None
     async for chunk in scheduler.generate(params):
         out.extend(chunk.token_ids)

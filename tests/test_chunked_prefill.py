@@ -9,7 +9,8 @@ from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, TargetEngine, VerifyInput
 from tests.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)

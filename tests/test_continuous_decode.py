@@ -11,7 +11,8 @@ from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, Status, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, Status, TargetEngine, VerifyInput
 from tests.stack import generate_ids, local_stack
 from tests.tiny_models import make_tiny_model
 
@@ -56,16 +57,16 @@ def test_length_and_stop_tokens_cut_the_chunk(tiny):
     committed, _ = _start(engine)
     free = engine.verify([VerifyInput("s", len(committed), committed[-1], DraftTree([], []), SamplingParams(temperature=0.0),
                                       StopRule(64, prompt_len=len(PROMPT)), num_decode_steps=6)])[0]
-    assert len(free.token_ids) == 6 and free.finish is None
+    assert len(free.token_ids) == 6 and free.finish_reason is None
     engine = _engine(tiny)
     committed, stop = _start(engine, max_new=4)  # 1 token from prefill: 3 more fit
     out = _decode(engine, committed, stop, 10)
-    assert len(out.token_ids) == 3 and out.finish == FinishReason.LENGTH and out.num_steps == 3
+    assert len(out.token_ids) == 3 and out.finish_reason == FinishReason.LENGTH and out.num_steps == 3
     engine = _engine(tiny)
     stop_token = free.token_ids[2]
     committed, stop = _start(engine, stop_ids=frozenset({stop_token}))
     out = _decode(engine, committed, stop, 10)
-    assert out.finish == FinishReason.STOP and out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
+    assert out.finish_reason == FinishReason.STOP and out.token_ids[-1] == stop_token and stop_token not in out.token_ids[:-1]
 
 
 async def test_through_the_services_greedy_equals_hf_and_steps_count_forwards(tiny):
@@ -84,15 +85,16 @@ async def test_through_the_services_greedy_equals_hf_and_steps_count_forwards(ti
 
 async def test_bad_step_counts_are_refused(tiny):
     from core.types import StopRule
-    from gateway.clients import VerifyItem
+    from core.steps import VerifyInput
+    from core.types import DraftTree
     from gateway.scheduler import SchedulerConfig
-    from gateway.types import RequestSampling
+    from gateway.types import request_sampling
 
     with pytest.raises(ValueError, match="num_continuous_decode_steps"):
         SchedulerConfig(num_continuous_decode_steps=0)
     async with local_stack(tiny) as scheduler:
         target = scheduler.targets.clients[0]
-        item = VerifyItem("nobody", 2, 1, [], [], RequestSampling(temperature=0.0), StopRule(8, [], False, 1), num_decode_steps=1000)
+        item = VerifyInput("nobody", 2, 1, DraftTree([], []), request_sampling(temperature=0.0), StopRule(8, [], False, 1), num_decode_steps=1000)
         [result] = await target.verify([item])  # refused for this sequence alone (INVALID), not for the call
         assert result.status == 3 and "num_decode_steps 1000 exceeds" in result.error
 

@@ -1,12 +1,12 @@
-"""The committed demo pair (models/tandem-demo-code + its STANDALONE draft, EAGLE-3 and EAGLE-2 heads) keeps its speculative
+"""The committed demo family (models/tandem-demo-code with its own MTP layer + its STANDALONE draft and EAGLE-3 head) keeps its speculative
 acceptance on the committed held-out prompts, through the real step path (in-process gRPC target and draft services
 and the gateway scheduler, CPU, greedy).
 
 The floors sit at about 0.7x the measured mean accept length: far above 1, so a broken feature path (an off-by-one in
 the EAGLE token/feature shift, a draft fed the wrong tokens, a tree mask bug) fails, while float noise does not.
 Measured through this path (CPU fp32, these 40 prompts x 64 tokens): STANDALONE chain 2.72, EAGLE3 chain 2.75,
-EAGLE3 tree 5/4/16 3.61; EAGLE-2 chain 2.46, tree 5/4/16 3.46 (models/README.md has the H200 and engine-loop
-numbers).
+EAGLE3 tree 5/4/16 3.61; the MTP layer (NEXTN) chain 3/1/4 2.42, tree 3/4/8 2.80, EAGLE tree 5/4/16 on it 3.43
+(models/README.md has the H200 and engine-loop numbers).
 """
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ def test_heldout_prompts_are_committed_and_small():
     pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, 1.9, id="standalone-chain"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 3, 1, 4, 1.9, id="eagle3-chain"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, 2.5, id="eagle3-tree"),
-    # The EAGLE-2 head (H200-trained 132 s): 2.46 chain, 3.46 tree through this path (CPU).
-    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, 1.8, id="eagle-chain"),
-    pytest.param("EAGLE", DEFAULT_EAGLE, 5, 4, 16, 2.5, id="eagle-tree"),
+    # The target's own MTP layer (H200-trained 3.3 min; EAGLE with no head drafts with it, as NEXTN):
+    # 2.42 chain 3/1/4, 2.80 tree 3/4/8, 3.43 tree 5/4/16 through this path (CPU).
+    pytest.param("NEXTN", DEFAULT_EAGLE, 3, 1, 4, 1.7, id="nextn-chain"),
+    pytest.param("NEXTN", DEFAULT_EAGLE, 3, 4, 8, 2.0, id="nextn-tree"),
+    pytest.param("EAGLE", DEFAULT_EAGLE, 5, 4, 16, 2.4, id="eagle-tree-mtp"),
 ])
 async def test_demo_pair_mean_accept_length_on_heldout_prompts(algorithm, draft, steps, topk, ndt, floor):
     prompts = _prompts()
@@ -66,8 +68,8 @@ def test_eagle3_with_no_model_flags_serves_the_bundled_head():
     assert args.speculative_draft_model_path == str(DEFAULT_EAGLE3)
     args = build_parser().parse_args(["serve", "--speculative-algorithm", "EAGLE"])
     assert resolve_spec(args)[0] == "EAGLE"
-    assert args.speculative_draft_model_path == str(DEFAULT_EAGLE)
-    assert (DEFAULT_EAGLE / "config.json").exists()
+    assert args.speculative_draft_model_path == str(DEFAULT_EAGLE) == str(DEFAULT_MODEL)  # its own MTP layer
+    assert json.loads((DEFAULT_MODEL / "config.json").read_text())["num_nextn_predict_layers"] == 1
     args = build_parser().parse_args(["serve", "--speculative-algorithm", "STANDALONE"])
     resolve_spec(args)
     assert args.speculative_draft_model_path is None  # the draft service falls back to DEFAULT_DRAFT

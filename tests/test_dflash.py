@@ -12,14 +12,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from core.steps import PrefillInput, ProposeInput, SpecShape, VerifyInput
+from core.types import DraftTree, SamplingParams, StopRule
+from core.types import SeqStatus as Status
 from draft_service.dflash import DFlashProposer
-from draft_service.proposer import ProposeInput, SpecShape, Status
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.models.dflash import load_dflash_draft
-from runtime.sampling import SamplingParams, process_logits
-from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from runtime.sampling import process_logits
+from target_service.engine import TargetEngine
 from tests.stack import generate_ids, local_stack
 from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
 from tests.tiny_models import load_hf_model, make_tiny_dflash_draft, make_tiny_model

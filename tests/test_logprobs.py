@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.types import GenerateParams, RequestSampling
+from gateway.types import GenerateParams, request_sampling
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, TargetEngine, VerifyInput
 from tests.stack import local_stack, perturbed_copy
 from tests.tiny_models import make_tiny_model
 
@@ -75,7 +76,7 @@ async def test_gateway_chunks_carry_logprobs_through_speculative_steps(tiny, hf,
     draft = perturbed_copy(Path(tiny), tmp_path / "draft", noise=0.05)
     async with local_stack(tiny, algorithm="STANDALONE", draft_path=draft, num_steps=3, topk=2,
                            num_draft_tokens=6) as scheduler:
-        params = GenerateParams("r", PROMPT, 20, sampling=RequestSampling(temperature=0.0), detokenize=False,
+        params = GenerateParams("r", PROMPT, 20, sampling=request_sampling(temperature=0.0), detokenize=False,
                                 logprobs=2)
         tokens, entries, usage = [], [], None
         async for chunk in scheduler.generate(params):

@@ -14,6 +14,7 @@ from draft_service.eagle import EagleProposer
 from draft_service.proposer import ProposeInput, SpecShape, Status
 from runtime.config import EngineConfig, ModelConfig
 from tests.tiny_models import add_mtp_layers, load_hf_model, make_tiny_model
+from tandem.args import DEFAULT_DRAFT
 
 CPU = EngineConfig(device="cpu", dtype="float32", max_total_tokens=1024, attention_backend="torch", block_size=4)
 
@@ -176,7 +177,8 @@ def test_multi_layer_eagle_refuses_what_is_not_a_chain_of_its_layers(tmp_path, f
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--speculative-algorithm", "EAGLE"),  # the bundled target's EAGLE-2 head has no MTP layers
+    # a draft path given to EAGLE wins over the target's own MTP layer; this checkpoint has none
+    (("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(DEFAULT_DRAFT)),
      "--enable-multi-layer-eagle needs MTP layers (num_nextn_predict_layers) in "),
     (("--speculative-algorithm", "EAGLE3"), "--enable-multi-layer-eagle drafts with the MTP layers of a checkpoint: "
      "it needs --speculative-algorithm EAGLE or NEXTN, not speculative_algorithm=EAGLE3"),

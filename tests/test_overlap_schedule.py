@@ -182,11 +182,11 @@ async def test_pingpong_sampling_gives_the_sequential_loops_tokens(pair):
 
 # ---------------------------------------------------------------------------------------------- result processing
 async def _texts(scheduler, prompts_ids, stops, max_new=40):
-    from gateway.types import GenerateParams, RequestSampling
+    from gateway.types import GenerateParams, request_sampling
 
     async def one(i, prompt, stop):
         params = GenerateParams(request_id=f"t{i}", prompt_token_ids=prompt, max_new_tokens=max_new, stop=stop,
-                                sampling=RequestSampling(temperature=0.0), ignore_eos=True)
+                                sampling=request_sampling(temperature=0.0), ignore_eos=True)
         text, finish, ids = "", None, []
         async for chunk in scheduler.generate(params):
             text, ids = text + chunk.text, ids + list(chunk.token_ids)
@@ -196,20 +196,23 @@ async def _texts(scheduler, prompts_ids, stops, max_new=40):
     return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(zip(prompts_ids, stops))))
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_critical_path(overlap):
-    """Outputs are detokenized and stop-matched while the next Propose is in flight (Sequence.deliver): a stop
-    string found then truncates exactly as before, the tokens committed past it are never streamed, and concurrent
-    neighbours are unaffected. The bundled demo pair (real tokenizer), STANDALONE chain."""
+@pytest.mark.parametrize("algorithm,overlap", [("STANDALONE", "off"), ("STANDALONE", "on"), ("NONE", "off")])
+async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_critical_path(algorithm, overlap):
+    """Outputs are detokenized and stop-matched while the next call is in flight (Sequence.deliver): the next
+    Propose, or with plain decoding (4 decode steps per call) the next Verify. A stop string found then truncates
+    exactly as before, the tokens committed past it are never streamed, and concurrent neighbours are unaffected.
+    The bundled demo pair (real tokenizer), STANDALONE chain, and plain decoding."""
     from gateway.tokenizer import Tokenizer
     from tandem.args import DEFAULT_DRAFT, DEFAULT_MODEL
 
     tokenizer = Tokenizer(DEFAULT_MODEL)
     texts = ["def fibonacci(n):\n    ", "import os\nimport ", "class Stack:\n    def ", "for i in range("]
     prompts_ids = [tokenizer.encode(t) for t in texts]
-    async with local_stack(DEFAULT_MODEL, algorithm="STANDALONE", draft_path=DEFAULT_DRAFT, num_steps=3, topk=1,
-                           num_draft_tokens=4, tokenizer=tokenizer, overlap_schedule=overlap) as scheduler:
-        assert scheduler._defer_delivery
+    shape = dict(draft_path=DEFAULT_DRAFT, num_steps=3, topk=1, num_draft_tokens=4) if algorithm != "NONE" else dict(
+        num_continuous_decode_steps=4)
+    async with local_stack(DEFAULT_MODEL, algorithm=algorithm, tokenizer=tokenizer, overlap_schedule=overlap,
+                           **shape) as scheduler:
+        assert scheduler._drafts_nothing == (algorithm == "NONE")
         full = await _texts(scheduler, prompts_ids, [[]] * len(texts))
         # Stops that match early, mid-way (inside a multi-token accepted run, usually) and never.
         stops = [[full[0][0][2:5]], [full[1][0][10:13]], [full[2][0][20:24]], ["\u2603never"]]

@@ -10,7 +10,7 @@ import collections
 import pytest
 import torch
 
-from gateway.types import GenerateParams, InvalidRequest, RequestSampling
+from gateway.types import GenerateParams, InvalidRequest, request_sampling
 from runtime.sampling import SamplingParams, penalize_logits
 from tests.stack import local_stack, perturbed_copy
 from tests.test_lossless_greedy import _assert_no_kv_leak
@@ -56,7 +56,7 @@ def test_out_of_range_penalties_are_refused_everywhere(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**engine_kwargs)
     with pytest.raises(InvalidRequest) as exc:
-        RequestSampling(**kwargs)
+        request_sampling(**kwargs)
     assert exc.value.param == next(iter(kwargs))
 
 
@@ -98,7 +98,7 @@ CONFIGS = [
 @pytest.mark.parametrize("algorithm,steps,topk,ndt", CONFIGS)
 async def test_greedy_with_repetition_penalty_equals_hf_generate(pair, algorithm, steps, topk, ndt):
     target, draft, hf = pair
-    sampling = RequestSampling(temperature=0.0, repetition_penalty=1.3)
+    sampling = request_sampling(temperature=0.0, repetition_penalty=1.3)
     async with local_stack(target, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt) as scheduler:
         outs = [await _generate(scheduler, p, 24, sampling, f"rp{i}") for i, p in enumerate(PROMPTS)]
@@ -114,7 +114,7 @@ async def test_greedy_with_repetition_penalty_equals_hf_generate(pair, algorithm
 @pytest.mark.parametrize("algorithm,steps,topk,ndt", CONFIGS)
 async def test_greedy_with_presence_and_frequency_penalties_equals_the_reference(pair, algorithm, steps, topk, ndt):
     target, draft, hf = pair
-    sampling = RequestSampling(temperature=0.0, presence_penalty=0.6, frequency_penalty=0.9)
+    sampling = request_sampling(temperature=0.0, presence_penalty=0.6, frequency_penalty=0.9)
     p = SamplingParams(presence_penalty=0.6, frequency_penalty=0.9)
     async with local_stack(target, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt) as scheduler:
@@ -130,13 +130,13 @@ async def test_greedy_with_logit_bias_equals_the_reference_and_bans_tokens(pair,
     target, draft, hf = pair
     plain = [_reference_greedy(hf, prompt, 16, SamplingParams()) for prompt in PROMPTS]
     banned = {t: -100.0 for t in {out[0] for out in plain} | {out[3] for out in plain}}  # each prompt's 1st/4th
-    sampling = RequestSampling(temperature=0.0, logit_bias={**banned, 17: 3.0})
+    sampling = request_sampling(temperature=0.0, logit_bias={**banned, 17: 3.0})
     p = SamplingParams(logit_bias=tuple(sorted({**banned, 17: 3.0}.items())))
     async with local_stack(target, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt) as scheduler:
         outs = [await _generate(scheduler, prompt, 16, sampling, f"lb{i}") for i, prompt in enumerate(PROMPTS)]
         with pytest.raises(InvalidRequest) as exc:  # ids past the vocabulary are refused before admission
-            await _generate(scheduler, PROMPTS[0], 4, RequestSampling(logit_bias={10 ** 6: 1.0}), "bad")
+            await _generate(scheduler, PROMPTS[0], 4, request_sampling(logit_bias={10 ** 6: 1.0}), "bad")
         assert exc.value.param == "logit_bias"
     for prompt, out in zip(PROMPTS, outs):
         assert out == _reference_greedy(hf, prompt, 16, p) and not set(out) & set(banned)

@@ -134,7 +134,8 @@ def test_one_prefill_batch_of_prompts_with_a_shared_prefix_computes_it_once(pair
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
     from runtime.sampling import SamplingParams
-    from target_service.engine import PrefillInput, StopRule, TargetEngine
+    from core.types import StopRule
+    from target_service.engine import PrefillInput, TargetEngine
 
     target, _, hf = pair
     system = _system(hf.config.vocab_size, 50)

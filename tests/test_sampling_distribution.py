@@ -17,7 +17,8 @@ from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams, penalize_logits, process_logits
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, TargetEngine, VerifyInput
 from tests.tiny_models import load_hf_model, make_tiny_model
 
 NUM_TRIALS = 3000

@@ -82,6 +82,7 @@ def test_nextn_on_a_checkpoint_with_mtp_layers_drafts_with_them(tmp_path, capsys
     """NEXTN (and EAGLE without a head) on a target with MTP layers: the target's own layers draft, no draft path;
     a draft path given to NEXTN is not needed (said at start-up); without MTP layers NEXTN needs a head."""
     config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    config.pop("num_nextn_predict_layers")  # the bundled target has one; `plain` below has none
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     args = _prepare("--model-path", str(tmp_path), "--speculative-algorithm", "NEXTN")
     assert args.speculative_algorithm == "NEXTN" and args.speculative_draft_model_path == str(tmp_path)

@@ -14,8 +14,10 @@ import time
 import grpc
 import pytest
 
-from gateway.clients import PodUnavailable, StopRule, TargetClient, VerifyItem
-from gateway.types import RequestSampling
+from core.steps import DraftPrefillInput, ProposeInput, SpecShape, VerifyInput
+from core.types import DraftTree
+from gateway.clients import PodUnavailable, StopRule, TargetClient
+from gateway.types import request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import start_server
@@ -92,7 +94,7 @@ async def test_target_stopped_mid_generation_fails_over_from_the_stream_path(pai
         from gateway.types import GenerateParams
 
         params = GenerateParams(request_id="f", prompt_token_ids=prompt, max_new_tokens=60,
-                                sampling=RequestSampling(temperature=0.0), detokenize=False)
+                                sampling=request_sampling(temperature=0.0), detokenize=False)
         out, stopped = [], None
         async for chunk in scheduler.generate(params):
             out.extend(chunk.token_ids)
@@ -161,8 +163,8 @@ async def _serve(servicer=None, handlers=None):
     return server, port
 
 
-def _item(seq_id: str = "a", root: int = 5) -> VerifyItem:
-    return VerifyItem(seq_id, 3, root, [], [], RequestSampling(), StopRule(10, [], False, 2))
+def _item(seq_id: str = "a", root: int = 5) -> VerifyInput:
+    return VerifyInput(seq_id, 3, root, DraftTree([], []), request_sampling(), StopRule(10, [], False, 2))
 
 
 async def test_hung_stream_response_hits_the_deadline_and_the_next_call_reopens():
@@ -281,7 +283,7 @@ async def test_real_draft_service_stream_validates_and_counts_like_unary():
     from draft_service.ngram import NgramConfig
     from draft_service.ngram_draft import NgramDraft
     from draft_service.server import serve_draft
-    from gateway.clients import DraftClient, ProposeItem
+    from gateway.clients import DraftClient
     from tandem.observability import ServiceMetrics
     from tests.ops.conftest import parse_metrics
 
@@ -290,13 +292,13 @@ async def test_real_draft_service_stream_validates_and_counts_like_unary():
     client = DraftClient(f"127.0.0.1:{port}", timeout_s=5)
     tokens = [5, 6, 7, 8, 5, 6, 7]
     try:
-        assert await client.prefill([("n", tokens, None)]) == [0]
-        ok = ProposeItem("n", len(tokens), [], 3, 1, 4)
+        assert await client.prefill([DraftPrefillInput("n", tokens)]) == [0]
+        ok = ProposeInput("n", len(tokens), [], SpecShape(3, 1, 4))
         first = await client.propose([ok])
-        assert first[0].status == 0 and first[0].tree_tokens[:1] == [8]  # the n-gram 5 6 7 -> 8
-        bad = await client.propose([ProposeItem("m", 1, [1, 2], 3, 1, 4), ok])
-        assert [p.status for p in bad] == [3, 0] and bad[1].tree_tokens == first[0].tree_tokens  # 3 = INVALID
-        assert (await client.propose([ok]))[0].tree_tokens == first[0].tree_tokens
+        assert first[0].status == 0 and first[0].tree.token_ids[:1] == [8]  # the n-gram 5 6 7 -> 8
+        bad = await client.propose([ProposeInput("m", 1, [1, 2], SpecShape(3, 1, 4)), ok])
+        assert [p.status for p in bad] == [3, 0] and bad[1].tree.token_ids == first[0].tree.token_ids  # 3 = INVALID
+        assert (await client.propose([ok]))[0].tree.token_ids == first[0].tree.token_ids
         assert client.propose_stream.num_opened == 1 and client.propose_stream.num_unary == 0
     finally:
         await client.close()

@@ -117,7 +117,7 @@ class EngineBench:
             capture = ({"feature_layers": proposer.target_capture_layers} if method.algorithm != "EAGLE"
                        else {"final_norm_features": True})
         if method.algorithm in ("EAGLE3", "EAGLE", "STANDALONE") and self.state()["static_draft_step"]:
-            from draft_service.proposer import SpecShape
+            from core.steps import SpecShape
 
             spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
             draft = self.proposer(method.algorithm, method.num_draft_tokens)
@@ -147,10 +147,8 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
     """(verify steps, generated tokens) over one batch; the prefill's first token is not a speculative step.
     eos_token_ids: stop a sequence at these (None: ignore EOS, always max_new_tokens). outputs: filled with each
     sequence's committed tokens (prompt included), keyed by its id."""
-    from draft_service.proposer import ProposeInput, SpecShape
-    from runtime.sampling import SamplingParams
-    from runtime.speculative.tree import DraftTree
-    from target_service.engine import PrefillInput, StopRule, VerifyInput
+    from core.steps import PrefillInput, ProposeInput, SpecShape, VerifyInput
+    from core.types import DraftTree, SamplingParams, StopRule
 
     feats = proposer is not None and proposer.needs_features
     spec = SpecShape(method.num_steps, method.topk, method.num_draft_tokens)
@@ -167,7 +165,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
             proposer.prefill(o.seq_id, committed[o.seq_id], o.features[: len(committed[o.seq_id]) - 1] if feats
                              else None)
         new[o.seq_id] = ([], o.features[:0] if feats else None)
-    active = [o.seq_id for o in outs if o.finish is None]
+    active = [o.seq_id for o in outs if o.finish_reason is None]
     steps = 0
     tokens = len(outs)
     while active:
@@ -183,7 +181,7 @@ def _generate(engine, proposer, method: Method, prompts: list[list[int]], max_ne
             committed[o.seq_id] += o.token_ids
             new[o.seq_id] = (o.token_ids, o.features if feats else None)
             tokens += len(o.token_ids)
-            if o.finish is not None:
+            if o.finish_reason is not None:
                 done.append(o.seq_id)
         steps += len(outs)
         active = [s for s in active if s not in done]

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.types import StopRule
-from runtime.sampling import SamplingParams, penalize_logits, process_logits
-from runtime.speculative.tree import DraftTree
+from core.types import DraftTree, SamplingParams, StopRule
+from runtime.sampling import make_generator, penalize_logits, process_logits
 from runtime.speculative.verify import (EXACT, AcceptThresholds, VerifyOutcome, verify_chain_rejection, verify_greedy,
                                         verify_tree_sampling)
 
@@ -35,14 +34,7 @@ class GreedyRows(list):
 
 def new_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
     """The sequence's private generator (seeded when asked); None for greedy sequences."""
-    if sampling.is_greedy:
-        return None
-    gen = torch.Generator(device=device)
-    if sampling.seed is not None:
-        gen.manual_seed(sampling.seed)
-    else:
-        gen.seed()
-    return gen
+    return None if sampling.is_greedy else make_generator(sampling, device)
 
 
 def penalized(rows: torch.Tensor, seq: TargetSeq, tree: DraftTree | None = None) -> torch.Tensor:

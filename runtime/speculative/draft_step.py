@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from core.types import ROOT, DraftTree
 from runtime.speculative.static_step import StaticStep
-from runtime.speculative.tree import ROOT, BeamTreeBuilder, DraftTree
+from runtime.speculative.tree import BeamTreeBuilder
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
-"""Draft trees: the DraftTree carrier, the EAGLE/SGLang-style top-k beam tree builder, and the auto-defaults for
-(num_steps, topk, num_draft_tokens).
+"""Draft trees on the device side: the EAGLE/SGLang-style top-k beam tree builder, a tree's ancestor mask, and the
+auto-defaults for (num_steps, topk, num_draft_tokens). The DraftTree carrier itself is core.types.DraftTree (the one
+tree type of the gateway, the services and the runtime).
 
-A DraftTree holds only the draft nodes; the root (the last committed token, whose KV verify writes) is implicit and
-is node 0 wherever a root-inclusive view is built. Knows nothing about models or KV: the builder is handed
-log-probabilities and says which nodes must be forwarded next.
+Knows nothing about models or KV: the builder is handed log-probabilities and says which nodes must be forwarded next.
 """
 from __future__ import annotations
 
@@ -15,67 +14,18 @@ import torch
 
 from core import algorithms
 from core.algorithms import max_tree_candidates
+from core.types import ROOT, DraftTree
 
-ROOT = -1
 
-
-@dataclass
-class DraftTree:
-    """Draft nodes in topological order. parents[i] is the index of node i's parent, ROOT (-1) for the root."""
-
-    token_ids: list[int]
-    parents: list[int]
-    draft_probs: torch.Tensor | None = None  # (n, V): the distribution node i was sampled from, when it was sampled
-
-    @classmethod
-    def chain(cls, token_ids: list[int]) -> DraftTree:
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)))
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.token_ids)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError unless every parent precedes its child and the token ids / draft_probs are consistent."""
-        if len(self.parents) != len(self.token_ids):
-            raise ValueError(f"{len(self.token_ids)} token_ids but {len(self.parents)} parents")
-        for i, parent in enumerate(self.parents):
-            if not ROOT <= parent < i:
-                raise ValueError(f"node {i} has parent {parent}; parents must be -1 (root) or an earlier node")
-        for i, token in enumerate(self.token_ids):
-            if token < 0 or (vocab_size is not None and token >= vocab_size):
-                raise ValueError(f"node {i} has token id {token} outside [0, {vocab_size or 'vocab'})")
-        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != len(self)):
-            raise ValueError(f"draft_probs must be (num_nodes={len(self)}, V), got {tuple(self.draft_probs.shape)}")
-
-    def depths(self) -> list[int]:
-        """Per draft node, the number of draft ancestors: 0 for the root's children (their depth below the root is
-        depths()[i] + 1, the position offset after the root)."""
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent == ROOT else depths[parent] + 1)
-        return depths
-
-    def children(self) -> dict[int, list[int]]:
-        """Child node indices in increasing node order, keyed by parent node index (ROOT for the root); every node
-        has an entry, empty for leaves. Node order is the sibling order verification tries."""
-        out: dict[int, list[int]] = {ROOT: [], **{i: [] for i in range(len(self))}}
-        for i, parent in enumerate(self.parents):
-            out[parent].append(i)
-        return out
-
-    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(n+1, n+1) bool, root = row/col 0 and node i = i+1: row m is True at m itself and all its ancestors."""
-        n = len(self)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        mask[0, 0] = True
-        for i, parent in enumerate(self.parents):
-            mask[i + 1] = mask[parent + 1]  # parents precede children, so the parent's row is already complete
-            mask[i + 1, i + 1] = True
-        return mask.to(device)
+def ancestor_mask(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n+1, n+1) bool, root = row/col 0 and node i = i+1: row m is True at m itself and all its ancestors."""
+    n = len(tree)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, parent in enumerate(tree.parents):
+        mask[i + 1] = mask[parent + 1]  # parents precede children, so the parent's row is already complete
+        mask[i + 1, i + 1] = True
+    return mask.to(device)
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.types import ROOT, DraftTree
 from runtime.sampling import sample_with_coins
-from runtime.speculative.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)

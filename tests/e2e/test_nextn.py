@@ -50,3 +50,35 @@ def test_nextn_serves_the_targets_own_mtp_layer(tmp_path, num_mtp_layers):
         assert resp.usage.completion_tokens == 24
     finally:
         assert stack.stop() == 0
+
+
+@pytest.mark.parametrize("algorithm,shape", [
+    ("NEXTN", ("--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8")),
+    ("EAGLE", ()),
+], ids=["nextn-tree", "eagle-auto"])
+def test_the_bundled_target_serves_its_own_trained_mtp_layer_with_no_model_flags(algorithm, shape):
+    """The bundled target carries one trained MTP layer: `tandem serve --speculative-algorithm NEXTN` (or EAGLE, no
+    head given) drafts with it, three processes; greedy equals HF `generate` and the trained layer is accepted."""
+    flags = ("--speculative-algorithm", algorithm, "--device", "cpu", *shape)
+    parser = build_parser()
+    args = parser.parse_args(["serve", *flags])
+    prepare(args, parser)
+    assert args.speculative_draft_model_path == str(DEFAULT_MODEL)
+    stack = Stack(*flags)
+    try:
+        stack.wait_ready()
+        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
+        prompt = "import json\n\n\ndef load(path):\n    "
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones_like(ids))
+        resp = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=48, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        # tau well above 1: the trained layer drafts (random MTP weights would give about 1.0)
+        assert resp.usage.model_extra["spec"]["mean_accept_length"] > 1.5
+    finally:
+        assert stack.stop() == 0

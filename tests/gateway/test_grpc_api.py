@@ -186,4 +186,4 @@ async def test_generate_passes_penalties_to_the_backend(stub, backend):
     set_, unset = backend.requests[-2].sampling, backend.requests[-1].sampling
     assert (set_.presence_penalty, set_.frequency_penalty, round(set_.repetition_penalty, 5)) == (0.5, 0.25, 1.1)
     assert (unset.presence_penalty, unset.frequency_penalty, unset.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert set_.logit_bias == {3: -100.0} and unset.logit_bias == {}
+    assert dict(set_.logit_bias) == {3: -100.0} and unset.logit_bias == ()

@@ -99,7 +99,7 @@ def test_penalties_reach_the_backend(client, backend):
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                    presence_penalty=1.5, logit_bias={"7": -100, "12": 4.5})
     completion, chat = backend.requests[-2].sampling, backend.requests[-1].sampling
-    assert chat.logit_bias == {7: -100.0, 12: 4.5} and completion.logit_bias == {}
+    assert dict(chat.logit_bias) == {7: -100.0, 12: 4.5} and completion.logit_bias == ()
     assert (completion.presence_penalty, completion.frequency_penalty, completion.repetition_penalty) == \
         (0.5, -0.25, 1.2)
     assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (1.5, 0.0, 1.0)

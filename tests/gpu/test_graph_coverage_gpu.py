@@ -21,7 +21,8 @@ from runtime.model_runner import ModelRunner, SeqForward  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from runtime.speculative.tree import DraftTree  # noqa: E402
 from runtime.speculative.verify import verify_greedy  # noqa: E402
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput  # noqa: E402
+from core.types import StopRule  # noqa: E402
+from target_service.engine import PrefillInput, TargetEngine, VerifyInput  # noqa: E402
 from tests.graphs.test_graph_paths import TREE, _record_trees, _standalone_loop  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 

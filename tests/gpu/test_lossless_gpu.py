@@ -44,7 +44,8 @@ def prompts_and_reference():
     pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, id="standalone-chain"),
     pytest.param("STANDALONE", DEFAULT_DRAFT, 4, 2, 8, id="standalone-tree"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, id="eagle3-tree"),
-    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, id="eagle-chain"),
+    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, id="eagle-chain-mtp"),
+    pytest.param("NEXTN", DEFAULT_EAGLE, 3, 4, 8, id="nextn-tree"),
     pytest.param("NGRAM", None, 0, 1, 8, id="ngram"),
 ])
 async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt):

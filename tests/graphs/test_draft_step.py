@@ -163,7 +163,7 @@ def test_synthetic_head_spends_its_compute_through_the_static_step():
             assert head.runner.kv_len("a") == len(committed) - 1
         trees.append(got)
         if static:
-            assert head._static[spec].num_replays == 2
+            assert head._static_steps[spec].num_replays == 2
         proposer.release(["a"])
         assert head.runner.num_free_tokens() == head.runner.num_total_tokens()
     assert trees[0] == trees[1]

@@ -19,7 +19,8 @@ from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import verify_greedy
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, TargetEngine, VerifyInput
 from tests.graphs.fake_graphs import install_fake_graphs
 from tests.tiny_models import make_tiny_model
 

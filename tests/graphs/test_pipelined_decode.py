@@ -13,7 +13,8 @@ from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner, SeqForward
 from runtime.sampling import SamplingParams
 from runtime.speculative.tree import DraftTree
-from target_service.engine import PrefillInput, Status, StopRule, TargetEngine, VerifyInput
+from core.types import StopRule
+from target_service.engine import PrefillInput, Status, TargetEngine, VerifyInput
 from tests.graphs.fake_graphs import install_fake_graphs
 from tests.tiny_models import make_tiny_model
 
@@ -103,6 +104,6 @@ def test_engine_pipelined_run_cuts_at_stop_and_length(llama):
     first, free = _run(_engine(llama, graphs=True), 8, 64)
     stop_token = free[1].token_ids[3]
     _, cut = _run(_engine(llama, graphs=True), 8, 64, stop_ids=frozenset({stop_token}))
-    assert cut[1].finish == FinishReason.STOP and cut[1].token_ids == free[1].token_ids[:4]
+    assert cut[1].finish_reason == FinishReason.STOP and cut[1].token_ids == free[1].token_ids[:4]
     _, short = _run(_engine(llama, graphs=True), 8, 5)  # 1 token from prefill, 4 more fit
-    assert all(o.finish == FinishReason.LENGTH and len(o.token_ids) == 4 for o in short)
+    assert all(o.finish_reason == FinishReason.LENGTH and len(o.token_ids) == 4 for o in short)

@@ -14,6 +14,7 @@ from draft_service.eagle import EagleProposer
 from draft_service.proposer import SpecShape
 from draft_service.standalone import StandaloneProposer
 from runtime.model_runner import ModelRunner
+from runtime.speculative import tree as tree_mod
 from runtime.speculative.verify_step import ancestor_mask
 from target_service.engine import TargetEngine
 from tests.graphs.test_graph_paths import _config
@@ -38,7 +39,7 @@ def test_ancestor_mask_matches_the_tree():
         for i in range(1, n + 1):
             parents.append(gen.randrange(0, i))
         tree = DraftTree([1] * n, [p - 1 for p in parents[1:]])
-        want = tree.ancestor_mask()
+        want = tree_mod.ancestor_mask(tree)
         got = ancestor_mask(torch.tensor([parents]))[0].bool()
         assert torch.equal(got, want)
 
@@ -134,7 +135,8 @@ def test_one_readback_per_static_verify(llama, batch, monkeypatch):
     """A greedy Verify through the static step reads the device back once, whatever the batch."""
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
-    from target_service.engine import PrefillInput, StopRule, VerifyInput
+    from core.types import StopRule
+    from target_service.engine import PrefillInput, VerifyInput
     from tests.graphs.test_draft_step import ReadbackCounter
 
     engine = TargetEngine(ModelRunner(llama, _config(max_total_tokens=4096)))

@@ -9,8 +9,10 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.clients import STATUS_INVALID, STATUS_OK, StopRule, TargetPrefillItem, VerifyItem
-from gateway.types import GenerateParams, InvalidRequest, RequestSampling
+from core.steps import DraftPrefillInput, PrefillInput, VerifyInput
+from core.types import DraftTree
+from gateway.clients import STATUS_INVALID, STATUS_OK, StopRule
+from gateway.types import GenerateParams, InvalidRequest, request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from tests.ops.conftest import ops_stack
 from tests.stack import generate_ids, local_stack
@@ -23,8 +25,8 @@ def model(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("poison"), vocab_size=256, num_hidden_layers=2)
 
 
-def _prefill_item(seq_id: str, tokens: list[int], **sampling) -> TargetPrefillItem:
-    return TargetPrefillItem(seq_id, tokens, True, RequestSampling(**sampling), StopRule(8, [], True, len(tokens)))
+def _prefill_item(seq_id: str, tokens: list[int], **sampling) -> PrefillInput:
+    return PrefillInput(seq_id, tokens, True, request_sampling(**sampling), StopRule(8, [], True, len(tokens)))
 
 
 async def test_target_prefill_and_verify_fail_only_the_bad_sequence(model):
@@ -53,14 +55,14 @@ async def test_target_prefill_and_verify_fail_only_the_bad_sequence(model):
         assert "seed" in response.results[1].error and "top_p" in response.results[2].error
 
         roots = {r.seq_id: r.token_ids[-1] for r in results if r.status == STATUS_OK}
-        sampling, stop = RequestSampling(temperature=0.0), StopRule(8, [], True, 3)
-        items = [VerifyItem(f"g{i}", 4, roots[f"g{i}"], [5, 6], [-1, 0], sampling, stop) for i in range(3)]
-        items[1] = VerifyItem("g1", 4, roots["g1"], [vocab + 1], [-1], sampling, stop)  # out of the vocabulary
+        sampling, stop = request_sampling(temperature=0.0), StopRule(8, [], True, 3)
+        items = [VerifyInput(f"g{i}", 4, roots[f"g{i}"], DraftTree([5, 6], [-1, 0]), sampling, stop) for i in range(3)]
+        items[1] = VerifyInput("g1", 4, roots["g1"], DraftTree([vocab + 1], [-1]), sampling, stop)  # out of the vocabulary
         out = await target.verify(items)
         assert [r.status for r in out] == [STATUS_OK, STATUS_INVALID, STATUS_OK]
         assert "outside" in out[1].error
-        huge = VerifyItem("g0", 4 + len(out[0].token_ids), out[0].token_ids[-1], [1] * 600, list(range(-1, 599)),
-                          sampling, stop)
+        huge = VerifyInput("g0", 4 + len(out[0].token_ids), out[0].token_ids[-1],
+                           DraftTree([1] * 600, list(range(-1, 599))), sampling, stop)
         assert (await target.verify([huge]))[0].status == STATUS_INVALID  # > max tree nodes (512)
         assert scheduler.targets.live() == scheduler.targets.clients  # never marked down
 
@@ -69,7 +71,8 @@ async def test_draft_propose_and_prefill_fail_only_the_bad_sequence(model):
     async with local_stack(model, algorithm="STANDALONE", draft_path=model, num_steps=2, topk=1,
                            num_draft_tokens=3) as scheduler:
         draft = scheduler.drafts.clients[0]
-        statuses = await draft.prefill([("a", [1, 2, 3], None), ("b", [1, 999], None), ("c", [4, 5], None)])
+        statuses = await draft.prefill([DraftPrefillInput("a", [1, 2, 3]), DraftPrefillInput("b", [1, 999]),
+                                        DraftPrefillInput("c", [4, 5])])
         assert statuses == [STATUS_OK, STATUS_INVALID, STATUS_OK]
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id="a", committed_len=4, new_token_ids=[7],
@@ -89,7 +92,7 @@ async def test_draft_propose_and_prefill_fail_only_the_bad_sequence(model):
     (dict(top_k=True), "top_k")])
 def test_sampling_domain_is_checked_at_the_gateway(sampling, field):
     with pytest.raises(InvalidRequest) as info:
-        RequestSampling(**sampling)
+        request_sampling(**sampling)
     assert info.value.param == field
 
 

@@ -7,8 +7,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.clients import STATUS_INVALID, STATUS_OK, DraftClient, StopRule, TargetClient, TargetPrefillItem, VerifyItem
-from gateway.types import RequestSampling
+from core.steps import DraftPrefillInput, PrefillInput, VerifyInput
+from core.types import DraftTree
+from gateway.clients import STATUS_INVALID, STATUS_OK, DraftClient, StopRule, TargetClient
+from gateway.types import request_sampling
 from protos.leases import SeqLeases
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -76,25 +78,25 @@ async def test_gateway_clients_carry_the_credential_and_sequences_have_an_owner(
     keyless = TargetClient(f"127.0.0.1:{tport}", owner="gw-a")
     my_draft = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gw-a")
     other_draft = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gw-b")
-    sampling, stop = RequestSampling(temperature=0.0), StopRule(16, [], True, 3)
+    sampling, stop = request_sampling(temperature=0.0), StopRule(16, [], True, 3)
     try:
         from gateway.clients import PodUnavailable
 
         with pytest.raises(PodUnavailable, match="UNAUTHENTICATED"):
             await keyless.info()
-        [first] = await mine.prefill([TargetPrefillItem("s", [1, 2, 3], True, sampling, stop)])
+        [first] = await mine.prefill([PrefillInput("s", [1, 2, 3], True, sampling, stop)])
         assert first.status == STATUS_OK
         # Another gateway can neither free nor step nor re-prefill the sequence.
         assert await other.release(["s"]) == 0
-        step = VerifyItem("s", 4, first.token_ids[-1], [], [], sampling, stop)
+        step = VerifyInput("s", 4, first.token_ids[-1], DraftTree([], []), sampling, stop)
         assert (await other.verify([step]))[0].status == STATUS_INVALID
-        [again] = await other.prefill([TargetPrefillItem("s", [9, 9], True, sampling, stop)])
+        [again] = await other.prefill([PrefillInput("s", [9, 9], True, sampling, stop)])
         assert again.status == STATUS_INVALID and "another gateway" in again.error
         assert target.servicer.engine.num_seqs == 1
         assert (await mine.verify([step]))[0].status == STATUS_OK
         assert await mine.release(["s"]) == 1 and target.servicer.engine.num_seqs == 0
 
-        assert await my_draft.prefill([("d", [5, 6, 7, 5, 6], None)]) == [STATUS_OK]
+        assert await my_draft.prefill([DraftPrefillInput("d", [5, 6, 7, 5, 6])]) == [STATUS_OK]
         assert await other_draft.release(["d"]) == 0 and draft.servicer.proposer.num_seqs == 1
         assert await my_draft.release(["d"]) == 1
     finally:
@@ -111,12 +113,12 @@ async def test_abandoned_sequences_are_freed_after_the_idle_ttl(model):
         server.servicer.leases = SeqLeases(30.0, clock=lambda: now[0])
     client = TargetClient(f"127.0.0.1:{tport}", service_api_key=KEY, owner="gone")
     dclient = DraftClient(f"127.0.0.1:{dport}", service_api_key=KEY, owner="gone")
-    sampling, stop = RequestSampling(temperature=0.0), StopRule(16, [], True, 3)
+    sampling, stop = request_sampling(temperature=0.0), StopRule(16, [], True, 3)
     try:
-        await client.prefill([TargetPrefillItem(f"s{i}", [1, 2, 3], True, sampling, stop) for i in range(3)])
-        await dclient.prefill([("d", [5, 6, 7], None)])
+        await client.prefill([PrefillInput(f"s{i}", [1, 2, 3], True, sampling, stop) for i in range(3)])
+        await dclient.prefill([DraftPrefillInput("d", [5, 6, 7])])
         now[0] = 20.0
-        [kept] = await client.prefill([TargetPrefillItem("fresh", [4, 5], True, sampling, stop)])
+        [kept] = await client.prefill([PrefillInput("fresh", [4, 5], True, sampling, stop)])
         now[0] = 40.0  # s0..s2 and d unused for 40 s > 30 s; "fresh" for 20 s
         assert await target.servicer.free_idle() == 3 and await draft.servicer.free_idle() == 1
         assert target.servicer.engine.num_seqs == 1 and draft.servicer.proposer.num_seqs == 0

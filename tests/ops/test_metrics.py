@@ -12,7 +12,7 @@ import logging
 import httpx
 
 from gateway.metrics import GatewayMetrics
-from gateway.types import GenerateParams, RequestSampling
+from gateway.types import GenerateParams, request_sampling
 from tandem.observability import JsonFormatter, TextFormatter
 from tests.ops.conftest import ops_stack, parse_metrics, scrape
 
@@ -35,7 +35,7 @@ def test_per_position_counts_follow_the_accepted_path_length():
 
 async def _generate(scheduler, request_id: str, prompt: list[int], max_new_tokens: int):
     params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
-                            sampling=RequestSampling(temperature=0.0), ignore_eos=True)
+                            sampling=request_sampling(temperature=0.0), ignore_eos=True)
     out, last = [], None
     async for chunk in scheduler.generate(params):
         out.extend(chunk.token_ids)
@@ -49,7 +49,7 @@ async def test_gateway_and_service_metrics_agree_with_the_requests(tiny_model, t
                                          for i in range(4)))
         # a client that goes away after the first chunk counts as an aborted request
         params = GenerateParams(request_id="gone", prompt_token_ids=[7, 8, 9], max_new_tokens=500,
-                                sampling=RequestSampling(temperature=0.0), ignore_eos=True)
+                                sampling=request_sampling(temperature=0.0), ignore_eos=True)
         stream = stack.scheduler.generate(params)
         await anext(stream)
         await stream.aclose()

@@ -14,11 +14,12 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.clients import PodUnavailable, StopRule, TargetClient, TargetPrefillItem
+from core.steps import PrefillInput
+from gateway.clients import PodUnavailable, StopRule, TargetClient
 from gateway.grpc_api import GatewayServicer, serve_gateway_grpc
 from gateway.openai_api import build_app
 from gateway.scheduler import SchedulerConfig
-from gateway.types import RequestSampling
+from gateway.types import request_sampling
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import channel_credentials, server_credentials
@@ -118,8 +119,8 @@ async def _tls_target(tiny_model, creds):
     return await serve_target(TargetEngine(runner), str(tiny_model), "127.0.0.1", 0, credentials=creds)
 
 
-def _prefill_item(seq_id: str) -> TargetPrefillItem:
-    return TargetPrefillItem(seq_id, [5, 6, 7], True, RequestSampling(temperature=0.0), StopRule(4, [], True, 3))
+def _prefill_item(seq_id: str) -> PrefillInput:
+    return PrefillInput(seq_id, [5, 6, 7], True, request_sampling(temperature=0.0), StopRule(4, [], True, 3))
 
 
 async def test_gateway_reaches_a_target_over_mtls_and_others_are_refused(tiny_model, certs):

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from runtime.speculative.tree import BeamTreeBuilder, DraftTree, auto_speculative_params
+from runtime.speculative.tree import BeamTreeBuilder, DraftTree, ancestor_mask, auto_speculative_params
 
 V = 12
 
@@ -16,7 +16,7 @@ def test_draft_tree_helpers():
     tree.validate(vocab_size=11)
     assert tree.depths() == [0, 0, 1, 2]
     assert tree.children() == {-1: [0, 1], 0: [2], 1: [], 2: [3], 3: []}
-    mask = tree.ancestor_mask()
+    mask = ancestor_mask(tree)
     assert mask.shape == (5, 5)
     assert mask[4].tolist() == [True, True, False, True, True]  # node 3: root, node 0, node 2, itself
     assert mask[2].tolist() == [True, False, True, False, False]

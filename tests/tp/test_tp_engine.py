@@ -35,7 +35,8 @@ def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[li
     from draft_service.standalone import StandaloneProposer
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
-    from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+    from core.types import StopRule
+    from target_service.engine import PrefillInput, TargetEngine, VerifyInput
 
     engine = TargetEngine(runner)
     draft_config = _engine_config(str(runner.device), runner.engine_config.attention_backend)
@@ -62,7 +63,7 @@ def greedy_run(runner: ModelRunner, draft_path: str | None) -> dict[str, list[li
                 [out] = engine.verify([VerifyInput(seq_id, len(tokens), tokens[-1], tree, greedy, stop)])
                 assert out.status == 0, out.error
                 tokens += out.token_ids
-                finished = out.finish is not None
+                finished = out.finish_reason is not None
             if proposer is not None:
                 proposer.release([seq_id])
             outs.append(tokens[len(prompt):])
