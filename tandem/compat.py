@@ -62,8 +62,6 @@ COMPAT_FLAGS = (
                help="SGLang: trie nodes given to the external corpora's suffix automata"),
     CompatFlag("--speculative-ngram-external-corpus-max-tokens", f"{NOT_YET}: external NGRAM corpora", int,
                help="SGLang: token cap of an external NGRAM corpus"),
-    CompatFlag("--uno-lora-path", f"{NOT_YET}: UNO (LoRA self-drafting by the target)",
-               help="SGLang: the UNO draft LoRA of the target"),
     CompatFlag("--enable-dp-attention", f"{NOT_HERE}: data-parallel attention is for MoE/MLA models; Tandem scales "
                "data-parallel with --num-target-replicas", None, False,
                help="SGLang: data-parallel attention"),
