@@ -143,6 +143,10 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         args.speculative_adaptive = False
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
+    for other in algorithms.ALGORITHMS.values():  # another algorithm's own flags (e.g. --uno-lora-path for EAGLE3)
+        if other is not entry:
+            notes += [f"{f.flag} is ignored for {_algo(entry)}: it is {other.name}'s" for f in other.flags
+                      if given(f.dest) and getattr(args, f.dest) not in (None, False)]
     notes += verify_notes(args)
     if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",

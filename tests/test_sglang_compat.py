@@ -30,7 +30,8 @@ WARN_ONLY = {"--trust-remote-code"}
 # verify knobs (tests/test_verify_flags.py checks their rules).
 ACCEPTED = {"--disable-overlap-schedule", "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
             "--speculative-use-rejection-sampling", "--speculative-attention-mode",
-            "--enable-multi-layer-eagle"}  # tests/test_multi_layer_eagle.py checks its rules
+            "--enable-multi-layer-eagle",  # tests/test_multi_layer_eagle.py checks its rules
+            "--uno-lora-path"}  # UNO's adapter: tests/spec/test_uno.py checks its rules
 
 
 def _prepare(*flags: str, command: str = "serve"):
@@ -70,7 +71,7 @@ def test_sglang_defaults_of_unsupported_flags_start(flag, neutral):
     assert _prepare("--speculative-algorithm", "STANDALONE", flag, neutral).speculative_algorithm == "STANDALONE"
 
 
-@pytest.mark.parametrize("algorithm", ["UNO", "DFLASH", "dflash"])
+@pytest.mark.parametrize("algorithm", ["DFLASH", "dflash"])
 def test_unbuilt_algorithms_parse_and_are_refused(algorithm):
     with pytest.raises(SystemExit) as exc:
         _prepare("--speculative-algorithm", algorithm)

@@ -8,6 +8,7 @@ training_info.json.
     python -m tools.train_draft --kind eagle3 --target-model-path T --corpus corpus.txt --output-dir H --device cuda
     python -m tools.train_draft --kind eagle --target-model-path T --corpus src/ --output-dir H --threads 2
     python -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path T --corpus src/ --output-dir T
+    python -m tools.train_draft --kind uno --lora-rank 8 --target-model-path T --corpus src/ --output-dir L
 
 The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted, less --exclude-glob
 patterns and the files of --exclude-files, e.g. a target's heldout_files.txt); documents are joined with the
@@ -102,9 +103,9 @@ def machine(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp"], required=True,
+    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp", "uno"], required=True,
                    help="what to train (mtp: one MTP layer appended to the target checkpoint itself, --output-dir "
-                        "must be the target's folder)")
+                        "must be the target's folder; uno: UNO's draft LoRA of the target, a PEFT adapter folder)")
     p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
     p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
     p.add_argument("--output-dir", required=True, help="where the draft folder is written")
@@ -140,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
                    help="target layer outputs fed to fc (default: SGLang's [1, L//2-1, L-4]; EAGLE-3 only)")
     g.add_argument("--feature-loss-weight", type=float, default=1.0,
                    help="EAGLE-2 only: weight of the smooth-L1 regression of the target's next feature")
+    g = p.add_argument_group("UNO LoRA (--kind uno)")
+    g.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 r)")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="projections the LoRA adapts (default: q/k/v/o_proj and gate/up/down_proj)")
+    g.add_argument("--uno-width", type=int, default=8,
+                   help="draft forward width F trained: rows 1..F-1 learn tokens t+2..t+F (serve any F up to it)")
+    g.add_argument("--uno-anchors", type=int, default=16, help="noise blocks per training window")
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -166,6 +175,21 @@ def main(argv: list[str] | None = None) -> None:
         model.to(getattr(torch, args.save_dtype)).save_pretrained(out, safe_serialization=True)
         add_legacy_config_keys(out)
         tokenizer.save_pretrained(out)
+    elif args.kind == "uno":
+        from runtime.lora import LoRAConfig, save_adapter
+        from tools.train_uno import MODULES, UnoTrainConfig, train_uno_online
+
+        target = AutoModelForCausalLM.from_pretrained(args.target_model_path, dtype=torch.float32).to(device)
+        modules = tuple(args.lora_target_modules or MODULES)
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+        cfg = UnoTrainConfig(rank=args.lora_rank, alpha=alpha, target_modules=modules, width=args.uno_width,
+                             anchors=args.uno_anchors, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                             steps=args.steps or 10**9, time_budget_s=args.minutes * 60, seed=args.seed,
+                             device=device)
+        lora, info = train_uno_online(target, stream, cfg, log=log)
+        save_adapter(out, LoRAConfig(args.lora_rank, alpha, modules), lora.export(),
+                     dtype=getattr(torch, args.save_dtype),
+                     extra_config={"base_model_name_or_path": str(args.target_model_path)})
     else:
         from tools.train_eagle3 import TrainConfig, train_eagle3_online, train_eagle_online, train_mtp_online
 
