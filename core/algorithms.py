@@ -40,6 +40,7 @@ class ShapeRule(enum.Enum):
     BEAM = "beam"  # SGLang's triple: all three or none; topk 1 is a chain (ndt = steps + 1)
     TRIE = "trie"  # the n-gram trie: ndt given, topk := its max BFS breadth, steps := ndt // topk
     BLOCK = "block"  # one block draft per step (DFLASH): steps = topk = 1, ndt = the block size
+    UNO = "uno"  # UNO: topk 1 = linear (ndt = draft width F), topk K > 1 = tree (F = steps + 1, ndt = Q verify nodes)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,14 @@ class SpeculativeAlgorithm:
     supports_draft_window: bool = False
     # The error when a required draft (DraftModel.HEAD) has no path: how to get one ("" = the generic message)
     missing_draft: str = ""
+    # The target pod plays the draft role (UNO: the target's own layers plus a LoRA on the draft rows): no draft
+    # process is started, the target serves DraftService next to TargetService, its `proposer` is then
+    # "module:function(engine, args) -> Proposer" over the target engine, and the gateway sends a sequence's Propose
+    # to the pod that holds it.
+    drafts_on_target: bool = False
+    # "module:function(args)": the algorithm's own flag checks and defaults at start-up (torch-free; raises
+    # ValueError with the message), run by tandem/args.resolve_spec after the shape is resolved.
+    check_flags: str = ""
 
     @property
     def needs_features(self) -> bool:
@@ -98,8 +107,10 @@ class SpeculativeAlgorithm:
         return self.target_features is not TargetFeatures.NONE
 
     def proposer_factory(self):
-        module, _, function = self.proposer.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _import(self.proposer)
+
+    def flag_checker(self):
+        return _import(self.check_flags) if self.check_flags else None
 
     def resolve_shape(self, architecture: str | None = None, num_steps: int | None = None, topk: int | None = None,
                       num_draft_tokens: int | None = None, *, max_bfs_breadth: int = 10, block_size: int | None = None,
@@ -118,6 +129,8 @@ class SpeculativeAlgorithm:
                 logger.warning("%s ignores num_steps/topk: topk := max_bfs_breadth, num_steps := ndt // topk",
                                self.name)
             return ndt // max_bfs_breadth, max_bfs_breadth, ndt
+        if self.shape_rule is ShapeRule.UNO:
+            return uno_shape(num_steps, topk, num_draft_tokens)
         if self.shape_rule is not ShapeRule.BEAM or self.unsupported:
             raise unknown_shape(self.name)
         given = [num_steps is not None, topk is not None, num_draft_tokens is not None]
@@ -272,9 +285,60 @@ def unknown_shape(name: str) -> ValueError:
     return ValueError(f"unknown speculative algorithm {name!r}; expected {_or_list(sorted(shaped))}")
 
 
+def uno_shape(num_steps: int | None, topk: int | None, num_draft_tokens: int | None) -> tuple[int, int, int]:
+    """UNO's (num_steps, topk, num_draft_tokens) with SGLang's checks and messages (sglang_spec.md §7.4, its
+    `_handle_uno`). B/K/V = F (draft forward width) / K (candidate top-k) / V = Q (verify nodes). topk 1 is linear
+    mode: F = num_draft_tokens, steps and topk become 1. topk K > 1 is tree mode: F = num_steps + 1 and Q =
+    num_draft_tokens. Unset triple: the linear 1/1/4 (SGLang has no default and asks for num_draft_tokens)."""
+    if num_steps is None and topk is None and num_draft_tokens is None:
+        return 1, 1, 4
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError("UNO requires --speculative-num-draft-tokens to be a positive integer denoting the linear "
+                         "width or tree verify width Q.")
+    q = num_draft_tokens
+    k = 1 if topk is None else topk
+    if k < 1:
+        raise ValueError(f"UNO requires --speculative-eagle-topk to be at least 1, got {k}.")
+    if k == 1:
+        if num_steps not in (None, 1):
+            logger.warning("UNO uses speculative_num_steps=1; overriding %s.", num_steps)
+        return 1, 1, q
+    if num_steps is None:
+        raise ValueError("UNO tree mode requires --speculative-num-steps so its draft width F can be derived as "
+                         "speculative_num_steps + 1.")
+    if num_steps < 1:
+        raise ValueError(f"UNO tree mode requires --speculative-num-steps to be positive, got {num_steps}.")
+    f = num_steps + 1
+    if q < f:
+        raise ValueError(f"UNO tree mode requires Q >= F; got Q={q}, F={f}.")
+    if q > 128:
+        raise ValueError(f"UNO tree mode currently supports at most Q=128 verify nodes, got Q={q}.")
+    if q * k > 2048:
+        raise ValueError(f"UNO tree mode currently supports Q*K <= 2048; got Q*K={q}*{k}={q * k}.")
+    capacity, width = 1, 1
+    for _ in range(num_steps):
+        width *= k
+        capacity += width
+        if capacity >= q:
+            break
+    if q > capacity:
+        raise ValueError(f"UNO tree mode cannot build the requested Q from F and K: Q={q} exceeds "
+                         f"capacity={capacity} for F={f}, K={k}.")
+    parent_width = k * max(num_steps - 1, 0) + 1
+    if q - 1 > parent_width:
+        raise ValueError(f"UNO tree mode cannot represent the requested Q in EAGLE's parent-list ABI: Q-1={q - 1} "
+                         f"exceeds K*(F-2)+1={parent_width} for F={f}, K={k}.")
+    return num_steps, k, q
+
+
 def max_tree_candidates(num_steps: int, topk: int) -> int:
     """Number of candidates a beam expansion produces: k at level 1, k*k at every later level."""
     return topk + (num_steps - 1) * topk * topk
+
+
+def _import(target: str):
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _check_positive(**values: int) -> None:
@@ -346,8 +410,19 @@ register(SpeculativeAlgorithm(
                       "--mode services)", None, forward=False),
     )))
 
+# UNO (sglang_spec.md §7.4): no draft model; the target drafts with its own layers plus a LoRA applied to the draft
+# rows only (runtime/lora.py), inside the target pod (target_service/uno.py). The bundled adapter fits the bundled
+# target.
+register(SpeculativeAlgorithm(
+    "UNO", shape_rule=ShapeRule.UNO, bundled_draft="tandem-demo-code-uno", drafts_on_target=True,
+    token_map_ignored="UNO drafts with the target's own vocabulary", proposer="target_service.uno:build",
+    check_flags="tandem.uno_flags:check", flags=(
+        AlgorithmFlag("--uno-lora-path", "UNO: PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) "
+                      "applied to the target's layers on the draft rows only (default: $UNO_LORA_PATH, else the "
+                      "bundled tandem-demo-code-uno for the bundled target)"),
+    )))
+
 # SGLang's algorithms Tandem does not run yet: parsed, then refused at start-up (tandem/compat.py).
-register(SpeculativeAlgorithm("UNO", unsupported="UNO (LoRA self-drafting by the target) is not supported yet"))
 # DFLASH (block diffusion, runtime/models/dflash.py): the target returns the hidden states of the draft's configured
 # layers; the draft drafts a whole block [bonus, MASK x (B-1)] in one forward; verify is a causal chain.
 register(SpeculativeAlgorithm(

@@ -72,8 +72,8 @@ class Drafting:
             seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
-            if seq.draft is None or self.pool.is_down(seq.draft):
-                seq.draft = self.pool.route(seq.seq_id)
+            if seq.draft is None or self.pool.is_down(seq.draft) or not self._colocated(seq):
+                seq.draft = self._route(seq)
                 seq.draft_synced_len = 0
             if seq.draft is not None:
                 groups[seq.draft].append(seq)
@@ -81,6 +81,18 @@ class Drafting:
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
         return trees
+
+    def _route(self, seq: Sequence) -> DraftClient | None:
+        """The sequence's draft pod: rendezvous hashing over the draft pods; when the target pods draft themselves
+        (registry drafts_on_target, UNO), the DraftService of the pod that holds the sequence."""
+        if not self.spec.entry.drafts_on_target:
+            return self.pool.route(seq.seq_id)
+        target = getattr(seq.target, "address", None)
+        return next((c for c in self.pool.live() if c.address == target), None)
+
+    def _colocated(self, seq: Sequence) -> bool:
+        """False when the target drafts and the sequence moved to another target pod since its last Propose."""
+        return not self.spec.entry.drafts_on_target or seq.draft.address == getattr(seq.target, "address", None)
 
     async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: SpecShape | None = None
                           ) -> dict[str, DraftTree]:

@@ -87,7 +87,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-algorithm", type=str.upper, default=None,
                    choices=algorithms.choices(),
                    help="STANDALONE (small draft LLM), EAGLE / NEXTN (EAGLE-2 head), EAGLE3 (EAGLE-3 head), NGRAM "
-                        "(n-gram trie), DFLASH (block-diffusion draft fed by target layers), SYNTHETIC (synthetic "
+                        "(n-gram trie), DFLASH (block-diffusion draft fed by target layers), UNO (the target drafts with a LoRA on its draft rows: --uno-lora-path), SYNTHETIC (synthetic "
                         "acceptance, benchmarks only: see --synthetic-*); "
                         f"{', '.join(a.name for a in algorithms.ALGORITHMS.values() if a.unsupported)} are parsed but not supported yet; unset or NONE = plain "
                         "decoding")
@@ -236,6 +236,8 @@ def draft_model_path(args: argparse.Namespace) -> str | None:
     when its own MTP layers draft (registry `mtp_draft`); None without one."""
     entry = algorithms.get(args.speculative_algorithm)
     target = model_path(args)
+    if entry.drafts_on_target:  # no draft model (UNO's bundled folder is its LoRA, --uno-lora-path)
+        return args.speculative_draft_model_path
     if entry.mtp_draft and mtp_layers(target):
         given = args.speculative_draft_model_path
         if entry.mtp_draft == "always" or not (given or entry.bundled_draft and _is_bundled_target(target)):
@@ -311,6 +313,13 @@ def resolve_spec(args: argparse.Namespace) -> tuple[str, int, int, int]:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     args.enable_multi_layer_eagle = chain is not None
+    checker = entry.flag_checker()
+    if checker is not None:
+        args.speculative_num_steps, args.speculative_eagle_topk = steps, topk  # the resolved shape is what it checks
+        try:
+            checker(args)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     if getattr(args, "speculative_adaptive", False):
         if not entry.supports_adaptive or topk != 1:
             adaptive = algorithms.names(lambda a: a.supports_adaptive)

@@ -58,8 +58,6 @@ COMPAT_FLAGS = (
                help="SGLang: trie nodes given to the external corpora's suffix automata"),
     CompatFlag("--speculative-ngram-external-corpus-max-tokens", f"{NOT_YET}: external NGRAM corpora", int,
                help="SGLang: token cap of an external NGRAM corpus"),
-    CompatFlag("--uno-lora-path", f"{NOT_YET}: UNO (LoRA self-drafting by the target)",
-               help="SGLang: the UNO draft LoRA of the target"),
     CompatFlag("--enable-dp-attention", f"{NOT_HERE}: data-parallel attention is for MoE/MLA models; Tandem scales "
                "data-parallel with --num-target-replicas", None, False,
                help="SGLang: data-parallel attention"),
@@ -141,9 +139,10 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         args.speculative_adaptive = False
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
-    if (getattr(args, "speculative_dflash_block_size", None) is not None
-            and entry.shape_rule is not algorithms.ShapeRule.BLOCK):
-        notes.append(f"--speculative-dflash-block-size is ignored for {_algo(entry)}: it sizes DFLASH blocks")
+    for other in algorithms.ALGORITHMS.values():  # another algorithm's own flags (e.g. --uno-lora-path for EAGLE3)
+        if other is not entry:
+            notes += [f"{f.flag} is ignored for {_algo(entry)}: it is {other.name}'s" for f in other.flags
+                      if given(f.dest) and getattr(args, f.dest) not in (None, False)]
     notes += verify_notes(args)
     if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",

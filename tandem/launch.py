@@ -133,7 +133,10 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                                "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
                                "--max-verify-tree-nodes", str(args.max_verify_tree_nodes)]
         target_addrs.append(f"{host}:{port}")
-    if algorithms.get(args.speculative_algorithm).drafts:
+    entry = algorithms.get(args.speculative_algorithm)
+    if entry.drafts_on_target:  # UNO: every target pod also serves DraftService; no draft process
+        draft_addrs = list(target_addrs)
+    elif entry.drafts:
         for i in range(args.num_draft_replicas):
             port = args.draft_port + i if args.draft_port else _free_port(host)
             cmds[f"draft-{i}"] = [*base, "draft", *_model_flags(args), *_spec_flags(args), "--service-host", host,
@@ -282,7 +285,9 @@ def ports_in_use(args: argparse.Namespace) -> list[str]:
 
 
 def _num_drafts(args: argparse.Namespace) -> int:
-    return args.num_draft_replicas if algorithms.get(args.speculative_algorithm).drafts else 0
+    """Draft processes `serve` starts (none when nothing drafts, or when the target pods draft themselves)."""
+    entry = algorithms.get(args.speculative_algorithm)
+    return args.num_draft_replicas if entry.drafts and not entry.drafts_on_target else 0
 
 
 def _summary(args: argparse.Namespace, names: list[str]) -> str:

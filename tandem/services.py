@@ -154,11 +154,16 @@ async def run_target(args: argparse.Namespace) -> None:
     _check_service_auth(args)
     engine = TargetEngine(runner, **_feature_capture(args, runner), accept_thresholds=_accept_thresholds(args))
     _static_verify(engine, args)
+    entry = algorithms.get(getattr(args, "speculative_algorithm", None))
+    # UNO: this pod also plays the draft role (registry drafts_on_target): DraftService over the target engine.
+    proposer = entry.proposer_factory()(engine, args) if entry.drafts_on_target else None
     server, port = await serve_target(engine, path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
-                                      service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
-    print(f"tandem target ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
+                                      service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl,
+                                      proposer=proposer)
+    role = f", drafting {proposer.algorithm}" if proposer is not None else ""
+    print(f"tandem target{role} ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
           + f" in {time.monotonic() - started:.1f} s: {_runner_summary(runner)}", flush=True)
     try:
         await _serve_until_signal(server)
@@ -233,8 +238,10 @@ def build_proposer(args: argparse.Namespace):
     """The draft service's proposer for --speculative-algorithm (its registry entry's factory) and the path it
     loaded, set up for static device steps where the runner can."""
     entry = algorithms.get(args.speculative_algorithm)
-    if not entry.proposer or entry.unsupported:
-        raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {args.speculative_algorithm}")
+    if not entry.proposer or entry.unsupported or entry.drafts_on_target:
+        where = " (the target service drafts for it)" if entry.drafts_on_target else ""
+        raise SystemExit(f"error: the draft service cannot run --speculative-algorithm {args.speculative_algorithm}"
+                         + where)
     proposer, path = entry.proposer_factory()(DraftBuild(args))
     return _static_step(proposer, args), path
 
@@ -308,8 +315,8 @@ def _overlap_schedule(args: argparse.Namespace, target_infos, draft_infos) -> st
     unless a draft pod computes on the same device as a target pod. One device runs one half at a time, so a phase
     costs what a whole sequential step does and the split halves the throughput (H200, demo family, EAGLE3 4/2/8:
     0.50x at batch 8, 0.52x at batch 32; bench/results/overlap_h200/NOTES.md)."""
-    if args.disable_overlap_schedule:
-        return "off"
+    if args.disable_overlap_schedule or algorithms.get(args.speculative_algorithm).drafts_on_target:
+        return "off"  # (drafts on the target: Propose and Verify of a sequence go to the same pod)
     shared = ({i.accelerator for i in target_infos} & {i.accelerator for i in draft_infos}) - {""}
     if shared:
         logger.info("overlap schedule: draft and target pods share %s: batches are not split into ping-pong halves",

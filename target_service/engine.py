@@ -2,8 +2,10 @@
 
 Owns per-sequence committed tokens (a mirror of the gateway's list, used to check `committed_len`), sampling
 generators and the KV held by the ModelRunner. Knows nothing about gRPC: the servicer converts wire messages into
-the step items of core/steps.py. Invariant per sequence: KV holds `len(token_ids) - 1` tokens; the last committed token is the
-pending root of the next verify.
+the step items of core/steps.py. Invariant per sequence: KV holds `len(token_ids) - 1` tokens; the last committed
+token is the pending root of the next verify. One exception, UNO's self-draft (`self_draft`): its draft pass computes
+the root's KV for real (a clean target row) and the root's next token, the clean root; the next Verify starts from
+there (a `PendingRoot`), and anything else first rolls the root's KV back.
 """
 from __future__ import annotations
 
@@ -24,6 +26,25 @@ from runtime.speculative.verify_step import VerifyItem
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_DECODE_STEPS = 256  # --num-continuous-decode-steps upper bound (one call's deadline must cover them)
+
+
+@dataclasses.dataclass
+class PendingRoot:
+    """UNO: the draft pass of `self_draft` wrote the KV of the last committed token (row 0 ran without the LoRA, a
+    clean target forward) and drew the clean root from that row exactly as plain decoding would."""
+
+    committed_len: int
+    token_id: int  # the clean root: the target's own next token (argmax or sample of row 0)
+    row: torch.Tensor  # (V,) row 0's raw logits (log-probabilities of the clean root)
+
+
+@dataclasses.dataclass
+class SelfDraft:
+    """What `self_draft` returns for one sequence: the clean root and the logits of the LoRA rows."""
+
+    root_token_id: int
+    draft_logits: torch.Tensor  # (F - 1, V): row i predicts the token i + 1 places after the clean root
+    seq: TargetSeq  # its sampling and generator (a sampled draft draws from the sequence's own stream)
 
 
 class TargetEngine:
@@ -49,6 +70,10 @@ class TargetEngine:
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
             runner.set_graph_capture_layers(self._capture)
         self._static_verify = None  # runtime.speculative.verify_step.StaticVerifyStep, see enable_static_verify
+        self.draft_lora: list | None = None  # UNO: runtime.lora.LoRALinear wrappers of the draft rows' adapter
+        self._pending: dict[str, PendingRoot] = {}  # UNO: sequences whose root KV the draft pass wrote
+        self._noise = torch.Generator(device=self.device)  # UNO's noise tokens (never a sequence's own stream)
+        self._noise.manual_seed(runner.engine_config.seed)
 
     def enable_static_verify(self, width: int, max_bs: int) -> bool:
         """Verify greedy batches of trees of `width` tokens (root included) as one static device step
@@ -212,11 +237,13 @@ class TargetEngine:
     def _verify_once(self, inputs: list[VerifyInput]) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         forwards: list[tuple[VerifyInput, SeqForward]] = []
+        pendings: dict[str, PendingRoot] = {}
         budget = self.runner.num_free_tokens()
         for inp in inputs:
             out = StepOutput(inp.seq_id, num_draft_tokens=len(inp.tree.token_ids))
             outputs.append(out)
             seq = self._seqs.get(inp.seq_id)
+            pending = self._take_pending(inp)
             if seq is None or not self._sync(inp, seq):
                 out.status, out.error = Status.STALE, "unknown sequence or committed_len mismatch"
                 continue
@@ -224,6 +251,18 @@ class TargetEngine:
                 inp.tree.validate()
             except ValueError as exc:
                 out.status, out.error = Status.INVALID, f"bad draft tree: {exc}"
+                continue
+            if pending is not None:  # UNO: the root's KV exists; the tree's node 0 is the clean root
+                need = self._tokens_needed(len(inp.tree))
+                if need > budget:
+                    out.status, out.error = Status.OUT_OF_MEMORY, f"tree of {len(inp.tree)} needs {need} KV slots"
+                    self._drop_pending(inp.seq_id, pending)
+                    continue
+                budget -= need
+                forwards.append((inp, SeqForward(inp.seq_id, list(inp.tree.token_ids),
+                                                 positions=[len(seq.token_ids) + d for d in inp.tree.depths()],
+                                                 parents=list(inp.tree.parents), logits="all")))
+                pendings[inp.seq_id] = pending
                 continue
             n = len(inp.tree.token_ids) + 1
             need = self._tokens_needed(n)
@@ -237,7 +276,7 @@ class TargetEngine:
             depths = [0] + [d + 1 for d in inp.tree.depths()]
             forwards.append((inp, SeqForward(inp.seq_id, [inp.root_token_id, *inp.tree.token_ids],
                                              positions=[kv_len + d for d in depths], parents=parents, logits="all")))
-        if self._verify_static(forwards, outputs):
+        if not pendings and self._verify_static(forwards, outputs):
             return outputs
         logits, features = self._forward([f for _, f in forwards], outputs, any(i.return_features for i in inputs),
                                          self._fast_greedy(inp for inp, _ in forwards))
@@ -246,6 +285,9 @@ class TargetEngine:
             if rows is None:
                 continue
             seq, out = self._seqs[inp.seq_id], by_id[inp.seq_id]
+            if inp.seq_id in pendings:
+                self._accept_from_clean_root(inp, rows, seq, out, pendings[inp.seq_id])
+                continue
             outcome = accept(inp.tree, rows, seq, self.accept_thresholds)
             kept_nodes = [0] + [i + 1 for i in outcome.accepted_nodes]  # region nodes: root + accepted path
             self.runner.compact(inp.seq_id, kept_nodes)
@@ -257,6 +299,91 @@ class TargetEngine:
                 # The root and the accepted drafts now have KV; a stop may have cut the run short.
                 out.features = feats[kept_nodes[: len(out.token_ids)]]
         return outputs
+
+    def _accept_from_clean_root(self, inp: VerifyInput, rows, seq: TargetSeq, out: StepOutput,
+                                pending: PendingRoot) -> None:
+        """UNO (SGLang's verify at prefix C+1): the clean root is the target's own next token, drawn from a clean row
+        exactly as plain decoding draws it, so it is emitted as is; the rest of the tree hangs below it and is
+        verified from the forward's rows (row j = node j's output) by the ordinary rules — greedy walk, exact p/q
+        rejection for a sampled chain that carries its q, exact tree sampling otherwise."""
+        subtree = DraftTree([t for t in inp.tree.token_ids[1:]], [p - 1 for p in inp.tree.parents[1:]],
+                            None if inp.tree.draft_probs is None else inp.tree.draft_probs[1:])
+        # Penalties of the rows below the root count the clean root as generated, as plain decoding would.
+        with_root = dataclasses.replace(seq, token_ids=[*seq.token_ids, pending.token_id])
+        outcome = accept(subtree, rows, with_root, self.accept_thresholds)
+        self.runner.compact(inp.seq_id, [0] + [i + 1 for i in outcome.accepted_nodes])
+        out.num_accepted_drafts = 1 + outcome.num_accepted_drafts
+        self._commit(out, seq, [pending.token_id, *outcome.tokens])
+        if inp.logprobs >= 0:
+            kept = [0] + [i + 1 for i in outcome.accepted_nodes]
+            lp_rows = torch.cat([pending.row.unsqueeze(0), rows[kept[: len(out.token_ids) - 1]]])
+            out.logprobs = token_logprobs(lp_rows, out.token_ids, inp.logprobs)
+
+    # ---------------------------------------------------------------- UNO self-drafting
+    def self_draft(self, requests: list[tuple[str, int, int]]) -> list[SelfDraft | None]:
+        """UNO's draft pass (sglang_spec.md §7.4), one forward for the batch: per (seq_id, committed_len, width F),
+        the last committed token (the seed) then F - 1 uniform-random noise tokens at the next positions; the LoRA
+        applies to the noise rows only. Row 0 is a clean target forward: its KV is kept (the seed's, as a Verify
+        would write it) and its token is the clean root. The noise rows' KV is dropped. None for a sequence this
+        engine cannot draft for now (unknown, another committed length, out of KV): its Verify runs as usual."""
+        results: list[SelfDraft | None] = [None] * len(requests)
+        forwards, segment_ids, owners = [], [], []
+        budget = self.runner.num_free_tokens()
+        vocab = self.runner.model_config.vocab_size
+        for i, (seq_id, committed_len, width) in enumerate(requests):
+            seq = self._seqs.get(seq_id)
+            if seq is None or committed_len != len(seq.token_ids) or width < 1:
+                continue
+            self._drop_pending(seq_id, self._pending.get(seq_id))
+            need = self._tokens_needed(width)
+            if need > budget or len(seq.token_ids) + width > self.max_context_len:
+                continue
+            budget -= need
+            noise = torch.randint(0, vocab, (width - 1,), generator=self._noise, device=self.device).tolist()
+            forwards.append(SeqForward(seq_id, [seq.token_ids[-1], *noise], logits="all"))
+            segment_ids += [-1] + [0] * (width - 1)
+            owners.append(i)
+        if not forwards:
+            return results
+        from runtime.lora import segments
+
+        start = time.perf_counter()
+        graphs, self.runner.use_cuda_graph = self.runner.use_cuda_graph, False  # captured graphs know no LoRA
+        try:
+            with segments(self.draft_lora or [], torch.tensor(segment_ids, device=self.device)):
+                result = self.runner.forward(forwards)
+        except OutOfKVBlocks:
+            return results
+        finally:
+            self.runner.use_cuda_graph = graphs
+        self.last_forward_ms = (time.perf_counter() - start) * 1e3
+        for i, sf, rows in zip(owners, forwards, result.logits):
+            seq_id, committed_len, _ = requests[i]
+            seq = self._seqs[seq_id]
+            self.runner.truncate(seq_id, committed_len)  # keep the seed's KV, drop the noise rows'
+            root = sample_rows(rows[:1], seq)[0]  # exactly plain decoding's draw (penalties, sampling, seed)
+            self._pending[seq_id] = PendingRoot(committed_len, root, rows[0])
+            results[i] = SelfDraft(root, rows[1:], seq)
+        return results
+
+    def _take_pending(self, inp: VerifyInput) -> PendingRoot | None:
+        """The sequence's pending clean root when this Verify builds on it (same committed length, a tree whose one
+        top node is that root); otherwise the root's KV is rolled back and the Verify runs as usual."""
+        pending = self._pending.pop(inp.seq_id, None)
+        if pending is None:
+            return None
+        tree = inp.tree
+        if (pending.committed_len == inp.committed_len and tree.token_ids and tree.token_ids[0] == pending.token_id
+                and tree.parents.count(-1) == 1):
+            return pending
+        self._drop_pending(inp.seq_id, pending)
+        return None
+
+    def _drop_pending(self, seq_id: str, pending: PendingRoot | None) -> None:
+        """Roll back the root KV a draft pass wrote (the invariant: KV holds all committed tokens but the last)."""
+        self._pending.pop(seq_id, None)
+        if pending is not None and self.runner.has_seq(seq_id) and self.runner.kv_len(seq_id) >= pending.committed_len:
+            self.runner.truncate(seq_id, pending.committed_len - 1)
 
     def _verify_static(self, forwards: list[tuple[VerifyInput, SeqForward]], outputs: list[StepOutput]) -> bool:
         """The batch through the static verify step when it can take all of it (greedy, no logprobs or penalties,
@@ -302,6 +429,7 @@ class TargetEngine:
     def release(self, seq_ids: list[str]) -> int:
         released = 0
         for seq_id in seq_ids:
+            self._pending.pop(seq_id, None)
             if self._seqs.pop(seq_id, None) is not None:
                 released += 1
             if self.runner.has_seq(seq_id):

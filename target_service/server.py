@@ -109,12 +109,21 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
                        credentials=None, inline_steps: bool = True,
                        max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, service_api_key: str | None = None,
-                       seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+                       seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, proposer=None):
     """Start the target gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
     health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
-    inline_steps=False runs every model call on the worker thread."""
+    inline_steps=False runs every model call on the worker thread. proposer: a draft_service Proposer over this
+    engine (UNO: the target drafts for itself) served as DraftService on the same port; its calls share the
+    target's ModelWorker, so one model call runs at a time."""
+    from draft_service.server import DraftServicer
+
     servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s)
+    drafter = None
+    if proposer is not None:
+        drafter = DraftServicer(proposer, model_path, metrics=metrics, inline_steps=inline_steps,
+                                seq_idle_ttl_s=seq_idle_ttl_s)
+        drafter.worker = servicer.worker
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
@@ -122,14 +131,23 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
         if bm.prefix_cache:
             metrics.bind_prefix_cache(lambda: (bm.num_cache_queries, bm.num_cache_hits,
                                                bm.num_cached_blocks() * bm.block_size))
+    def register(server) -> None:
+        pb_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        if drafter is not None:
+            pb_grpc.add_DraftServiceServicer_to_server(drafter, server)
+
+    names = ["TargetService", *(["DraftService"] if drafter is not None else [])]
     server, bound, _ = await start_server(
-        lambda s: pb_grpc.add_TargetServiceServicer_to_server(servicer, s),
-        [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], host, port,
+        register, [pb.DESCRIPTOR.services_by_name[n].full_name for n in names], host, port,
         interceptors=[*([metrics.interceptor()] if metrics is not None else ()), ErrorInterceptor()],
         credentials=credentials,
         service_api_key=service_api_key)
     server.servicer = servicer  # tests and benchmarks read its ModelWorker counters
+    server.drafter = drafter
     server.idle_sweeper = asyncio.create_task(  # ends with the event loop
         leases.free_idle_forever(servicer.free_idle, servicer.leases.idle_ttl_s))
+    if drafter is not None:
+        server.draft_idle_sweeper = asyncio.create_task(
+            leases.free_idle_forever(drafter.free_idle, drafter.leases.idle_ttl_s))
     logger.info("target service listening on %s:%d", host, bound)
     return server, bound

@@ -46,7 +46,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
-                      multi_layer: bool = False, draft_window_size: int | None = None):
+                      multi_layer: bool = False, draft_window_size: int | None = None,
+                      lora_path: Path | None = None):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -57,7 +58,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
     accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
     multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle);
-    draft_window_size: a DFLASH draft's --speculative-draft-window-size."""
+    draft_window_size: a DFLASH draft's --speculative-draft-window-size;
+    lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -87,10 +89,17 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           **({"accept_thresholds": accept_thresholds} if accept_thresholds is not None else {}))
     if static_steps:
         assert engine.enable_static_verify(num_draft_tokens, max_bs=4)
-    server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps)
+    uno = None
+    if algorithm == "UNO":
+        from target_service.uno import UnoProposer, attach_adapter
+
+        attach_adapter(engine, str(lora_path))
+        uno = UnoProposer(engine)
+    server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
+                                      proposer=uno)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
-    draft = None
+    draft = DraftClient(f"127.0.0.1:{port}") if uno is not None else None
     if algorithm == "STANDALONE":
         from draft_service.standalone import StandaloneProposer
 
@@ -122,7 +131,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions
     scheduler.test_engine = engine
-    scheduler.test_proposer = proposer
+    scheduler.test_proposer = proposer or uno
     scheduler.test_servers = servers
     scheduler.test_servicers = [s.servicer for s in servers]
     try:

@@ -31,7 +31,8 @@ WARN_ONLY = {"--trust-remote-code"}
 ACCEPTED = {"--disable-overlap-schedule", "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
             "--speculative-use-rejection-sampling", "--speculative-attention-mode",
             "--enable-multi-layer-eagle",  # tests/test_multi_layer_eagle.py checks its rules
-            "--speculative-dflash-block-size"}  # DFLASH's (tests/test_dflash.py checks its rules; a note elsewhere)
+            "--speculative-dflash-block-size",
+            "--uno-lora-path"}  # DFLASH's (tests/test_dflash.py checks its rules; a note elsewhere)
 
 
 def _prepare(*flags: str, command: str = "serve"):
@@ -71,7 +72,7 @@ def test_sglang_defaults_of_unsupported_flags_start(flag, neutral):
     assert _prepare("--speculative-algorithm", "STANDALONE", flag, neutral).speculative_algorithm == "STANDALONE"
 
 
-@pytest.mark.parametrize("algorithm", ["UNO", "DSPARK", "dspark"])
+@pytest.mark.parametrize("algorithm", ["DSPARK", "dspark"])
 def test_unbuilt_algorithms_parse_and_are_refused(algorithm):
     with pytest.raises(SystemExit) as exc:
         _prepare("--speculative-algorithm", algorithm)

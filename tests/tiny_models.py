@@ -144,4 +144,27 @@ def make_tiny_dflash_draft(target_path: str, dir: str | os.PathLike, *, block_si
             param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
     path = os.path.join(os.fspath(dir), "dflash")
     save_dflash_draft(model, raw, path)
+def make_tiny_lora(model_path: str, dir: str | os.PathLike, r: int = 4, seed: int = 3, std: float = 0.3,
+                   modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")) -> str:
+    """A random PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) for a tiny checkpoint; returns
+    its folder. B is non-zero, so draft rows really differ from the base model's."""
+    import json
+
+    from runtime.lora import LoRAConfig, save_adapter
+
+    cfg = json.loads(open(os.path.join(model_path, "config.json")).read())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for m in modules:
+            n_in, n_out = shapes[m]
+            weights[(layer, m)] = (std * torch.randn(r, n_in, generator=gen), std * torch.randn(n_out, r, generator=gen))
+    path = os.path.join(os.fspath(dir), "lora")
+    save_adapter(path, LoRAConfig(r, 2.0 * r, modules), weights, dtype=torch.float32)
     return path

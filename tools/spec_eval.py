@@ -22,14 +22,14 @@ import torch
 @dataclass(frozen=True)
 class Method:
     name: str
-    algorithm: str  # NONE | STANDALONE | EAGLE3 | EAGLE | NGRAM | DFLASH
+    algorithm: str  # NONE | STANDALONE | EAGLE3 | EAGLE | NGRAM | DFLASH | UNO
     num_steps: int = 0
     topk: int = 1
     num_draft_tokens: int = 1
 
 
 def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False,
-                    dflash_block: int | None = None) -> list[Method]:
+                    dflash_block: int | None = None, has_uno: bool = False) -> list[Method]:
     methods = [Method("AR", "NONE")]
     if has_draft:
         methods += [Method("STANDALONE chain 3/1/4", "STANDALONE", 3, 1, 4),
@@ -42,6 +42,8 @@ def default_methods(has_draft: bool, has_eagle3: bool, has_eagle: bool = False,
         methods += [Method("EAGLE chain 3/1/4", "EAGLE", 3, 1, 4), Method("EAGLE tree 5/4/16", "EAGLE", 5, 4, 16)]
     if dflash_block:  # one block per step: steps = topk = 1, num_draft_tokens = the draft's block size
         methods.append(Method(f"DFLASH block {dflash_block}", "DFLASH", 1, 1, dflash_block))
+    if has_uno:  # UNO: F/K/Q = 4/1/4 linear, 4/4/8 tree (steps/topk/ndt 1/1/4, 3/4/8)
+        methods += [Method("UNO linear 1/1/4", "UNO", 1, 1, 4), Method("UNO tree 3/4/8", "UNO", 3, 4, 8)]
     methods.append(Method("NGRAM (prompt lookup) 8", "NGRAM", 0, 1, 8))
     return methods
 
@@ -56,7 +58,7 @@ class EngineBench:
 
     def __init__(self, target_path: str, draft_path: str | None, eagle3_path: str | None, device: str,
                  eagle_path: str | None = None, max_total_tokens: int = 65536, cuda_graphs: str = "all",
-                 dflash_path: str | None = None) -> None:
+                 dflash_path: str | None = None, uno_path: str | None = None) -> None:
         """cuda_graphs: "all" (target and drafts capture CUDA graphs, as the services do), "target" (drafts eager)
         or "none"."""
         import dataclasses
@@ -72,6 +74,11 @@ class EngineBench:
         self.runner = ModelRunner(target_path, self.engine_config)
         self._proposers: dict[str, object] = {}
         self.static_draft_step = cuda_graphs == "all"  # as tandem serve: one graph per Propose where it can
+        self.uno_lora = None  # UNO: the LoRA wrappers on the target (plain forwards are unchanged by them)
+        if uno_path:
+            from runtime.lora import apply_adapter, load_adapter
+
+            self.uno_lora = apply_adapter(self.runner.model, load_adapter(uno_path))
 
     def state(self) -> dict:
         """The backend and graph state this bench runs (printed with its results)."""
@@ -124,6 +131,11 @@ class EngineBench:
             if spec not in draft._static_steps:
                 draft.enable_static_step(spec, max_bs=self.engine_config.cuda_graph_max_bs)
         engine = TargetEngine(self.runner, **capture)
+        if method.algorithm == "UNO":  # the target drafts for itself
+            from target_service.uno import UnoProposer
+
+            engine.draft_lora = self.uno_lora
+            proposer = UnoProposer(engine)
         steps = tokens = 0
         _sync(self.runner.device)
         start = time.perf_counter()
@@ -136,8 +148,11 @@ class EngineBench:
             steps, tokens = steps + s, tokens + t
         _sync(self.runner.device)
         seconds = time.perf_counter() - start
+        # UNO's draft pass is a target forward too: each verify step costs two (SGLang counts TPF over 2 x verifies)
+        forwards = steps + (steps - len(prompts) if method.algorithm == "UNO" else 0)
         return {"method": method.name, "algorithm": method.algorithm, "temperature": temperature,
                 "batch_size": min(batch_size, len(prompts)), "prompts": len(prompts), "tau": tokens / max(steps, 1),
+                "tokens_per_target_forward": tokens / max(forwards, 1),
                 "target_steps": steps, "tokens": tokens, "seconds": round(seconds, 3),
                 "tokens_per_s": tokens / seconds}
 
@@ -225,7 +240,7 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
              device: str, max_new_tokens: int = 64, speed_prompts: int = 10, temperatures=(0.0, 1.0),
              eagle_path: str | None = None, log: Callable[[str], None] = print, deadline: float | None = None,
              only: list[str] | None = None, cuda_graphs: str = "all", stop_at_eos: bool = False,
-             dflash_path: str | None = None) -> dict:
+             dflash_path: str | None = None, uno_path: str | None = None) -> dict:
     """Every method: tau over all prompts (batched) per temperature, and batch-1 greedy tokens/s over the first
     speed_prompts; then the HF peers' batch-1 tokens/s on the same prompts. Past `deadline` (time.time()), the
     remaining measurements are skipped and listed under "skipped". `only`: measure just these method names.
@@ -233,13 +248,14 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
     from transformers import AutoModelForCausalLM
 
     bench = EngineBench(target_path, draft_path, eagle3_path, device, eagle_path, cuda_graphs=cuda_graphs,
-                        dflash_path=dflash_path)
+                        dflash_path=dflash_path, uno_path=uno_path)
     dflash_block = None
     if dflash_path:
         from runtime.models.dflash import DEFAULT_BLOCK_SIZE, read_block_size
 
         dflash_block = read_block_size(dflash_path) or DEFAULT_BLOCK_SIZE
-    methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None, dflash_block)
+    methods = default_methods(draft_path is not None, eagle3_path is not None, eagle_path is not None, dflash_block,
+                              uno_path is not None)
     if only:
         unknown = set(only) - {m.name for m in methods}
         if unknown:
@@ -256,6 +272,8 @@ def evaluate(target_path: str, draft_path: str | None, eagle3_path: str | None, 
             batch = 1 if m.algorithm == "NGRAM" else 64  # the NGRAM trie is global: one prompt per trie
             r = bench.run(m, prompts, max_new_tokens, temp, batch_size=batch, stop_at_eos=stop_at_eos)
             row[f"tau_t{temp:g}"] = round(r["tau"], 3)
+            if m.algorithm == "UNO":
+                row[f"tokens_per_target_forward_t{temp:g}"] = round(r["tokens_per_target_forward"], 3)
             log(f"{m.name} T={temp:g}: tau {r['tau']:.3f} ({r['tokens']} tokens, {r['target_steps']} target steps, "
                 f"{r['seconds']:.1f}s at batch {r['batch_size']})")
         if speed_prompts and not late():
@@ -318,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
     p.add_argument("--eagle", default=None, help="EAGLE (EAGLE-2) head folder")
     p.add_argument("--dflash", default=None, help="DFLASH draft folder (one block of its block_size per step)")
+    p.add_argument("--uno", default=None, help="UNO draft LoRA folder (PEFT layout) of the target")
     p.add_argument("--prompts", required=True, help="jsonl with prompt_ids per line")
     p.add_argument("--num-prompts", type=int, default=40, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
@@ -340,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     result = evaluate(args.model, args.draft, args.eagle3, prompts, args.device, args.max_new_tokens,
                       args.speed_prompts, temperatures=tuple(args.temperatures), eagle_path=args.eagle,
                       only=args.methods, cuda_graphs=args.cuda_graphs, stop_at_eos=args.stop_at_eos,
-                      dflash_path=args.dflash)
+                      dflash_path=args.dflash, uno_path=args.uno)
     table = markdown(result)
     print(table)
     if args.out:

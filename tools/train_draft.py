@@ -9,6 +9,7 @@ training_info.json.
     python -m tools.train_draft --kind eagle --target-model-path T --corpus src/ --output-dir H --threads 2
     python -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path T --corpus src/ --output-dir T
     python -m tools.train_draft --kind dflash --target-model-path T --corpus src/ --output-dir D --device cuda
+    python -m tools.train_draft --kind uno --lora-rank 8 --target-model-path T --corpus src/ --output-dir L
 
 The corpus is a UTF-8 file or a folder (every *.py, *.txt, *.md, *.rst, *.json below it, sorted, less --exclude-glob
 patterns and the files of --exclude-files, e.g. a target's heldout_files.txt); documents are joined with the
@@ -103,9 +104,10 @@ def machine(device: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp", "dflash"], required=True,
+    p.add_argument("--kind", choices=["standalone", "eagle3", "eagle", "mtp", "dflash", "uno"], required=True,
                    help="what to train (mtp: one MTP layer appended to the target checkpoint itself, --output-dir "
-                        "must be the target's folder; dflash: a DFLASH block-diffusion draft)")
+                        "must be the target's folder; dflash: a DFLASH block-diffusion draft; uno: UNO's draft LoRA "
+                        "of the target, a PEFT adapter folder)")
     p.add_argument("--target-model-path", required=True, help="Llama-family HF target folder (with tokenizer)")
     p.add_argument("--corpus", required=True, help="UTF-8 text file or folder of text files")
     p.add_argument("--output-dir", required=True, help="where the draft folder is written")
@@ -156,6 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--dflash-mask-token-id", type=int, default=None,
                    help="target-vocabulary id filling the block after the bonus token (default: the target's pad "
                         "token, else its last id)")
+    g = p.add_argument_group("UNO LoRA (--kind uno)")
+    g.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 r)")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="projections the LoRA adapts (default: q/k/v/o_proj and gate/up/down_proj)")
+    g.add_argument("--uno-width", type=int, default=8,
+                   help="draft forward width F trained: rows 1..F-1 learn tokens t+2..t+F (serve any F up to it)")
+    g.add_argument("--uno-anchors", type=int, default=16, help="noise blocks per training window")
     args = p.parse_args(argv)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -182,6 +192,21 @@ def main(argv: list[str] | None = None) -> None:
         model.to(getattr(torch, args.save_dtype)).save_pretrained(out, safe_serialization=True)
         add_legacy_config_keys(out)
         tokenizer.save_pretrained(out)
+    elif args.kind == "uno":
+        from runtime.lora import LoRAConfig, save_adapter
+        from tools.train_uno import MODULES, UnoTrainConfig, train_uno_online
+
+        target = AutoModelForCausalLM.from_pretrained(args.target_model_path, dtype=torch.float32).to(device)
+        modules = tuple(args.lora_target_modules or MODULES)
+        alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+        cfg = UnoTrainConfig(rank=args.lora_rank, alpha=alpha, target_modules=modules, width=args.uno_width,
+                             anchors=args.uno_anchors, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                             steps=args.steps or 10**9, time_budget_s=args.minutes * 60, seed=args.seed,
+                             device=device)
+        lora, info = train_uno_online(target, stream, cfg, log=log)
+        save_adapter(out, LoRAConfig(args.lora_rank, alpha, modules), lora.export(),
+                     dtype=getattr(torch, args.save_dtype),
+                     extra_config={"base_model_name_or_path": str(args.target_model_path)})
     else:
         from tools.train_eagle3 import TrainConfig, train_eagle3_online, train_eagle_online, train_mtp_online
 

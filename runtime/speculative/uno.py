@@ -1,0 +1,72 @@
+"""UNO's draft shapes (sglang_spec.md §7.4): from the clean root and the logits of the LoRA rows of one draft pass,
+the chain of linear mode or the best-first tree of tree mode, as a DraftTree whose node 0 is the clean root.
+
+Row i of `draft_logits` (F - 1, V) predicts the token i + 1 places after the clean root, from noise inputs: the rows
+are independent guesses per depth, so a path's score is the sum of its tokens' log-probabilities. Knows nothing about
+models, KV or the wire; the target engine runs the draft pass (target_service/engine.py `self_draft`).
+"""
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from runtime.sampling import SamplingParams, process_logits
+from runtime.speculative.tree import ROOT, DraftTree
+
+
+def draft_chain(root_token_id: int, draft_logits: torch.Tensor, sampling: SamplingParams | None,
+                generator: torch.Generator | None = None) -> DraftTree:
+    """Linear mode: [clean root, d_1 .. d_{F-1}]. Greedy: each row's argmax. Sampled: each d_i drawn from q_i, the
+    row's distribution under the request's temperature / top-k / top-p, and the q_i travel with the chain
+    so the target can run exact p/q rejection. Row 0 of draft_probs is one-hot at the clean root: a target that
+    verifies from the clean root emits it untested; one that does not (it lost the draft pass's KV) tests it like
+    any node, which is exact for a token fixed before the target's coins are drawn."""
+    if draft_logits.shape[0] == 0:
+        return DraftTree.chain([root_token_id])
+    if sampling is None or sampling.is_greedy:
+        return DraftTree.chain([root_token_id, *draft_logits.argmax(dim=-1).tolist()])
+    q = process_logits(draft_logits.float(), sampling)  # (F - 1, V)
+    drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist()
+    root = torch.zeros_like(q[:1])
+    root[0, root_token_id] = 1.0
+    probs = torch.cat([root, q])  # (F, V)
+    return DraftTree(*_chain_lists([root_token_id, *drafts]), draft_probs=probs)
+
+
+def draft_tree(root_token_id: int, draft_logits: torch.Tensor, topk: int, num_nodes: int,
+               temperature: float = 1.0) -> DraftTree:
+    """Tree mode: a fixed-size tree of `num_nodes` Q nodes (the clean root included) chosen best-first over summed
+    log-probabilities. Node at depth d (d >= 1 below the root) picks one of the top-`topk` K tokens of LoRA row d - 1,
+    whose log-probabilities are temperature-scaled and normalised over the full vocabulary. Ties break as SGLang's
+    builder does: shallower depth, lower rank, lower token id, lower parent. Nodes come out in selection order, so
+    parents precede children and siblings are listed best first."""
+    depth_max = draft_logits.shape[0]
+    scale = temperature if temperature > 0 else 1.0
+    logprobs = torch.log_softmax(draft_logits.float() / scale, dim=-1)  # (F - 1, V)
+    k = min(topk, logprobs.shape[-1])
+    top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))  # (F - 1, K) each, best first
+    tokens, parents, depths, masses = [root_token_id], [ROOT], [0], [0.0]
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-mass, child depth, rank, token, parent node)
+
+    def expand(node: int) -> None:
+        depth = depths[node]
+        if depth >= depth_max:
+            return
+        for rank in range(k):
+            mass = masses[node] + top_lp[depth][rank]
+            heapq.heappush(frontier, (-mass, depth + 1, rank, top_ids[depth][rank], node))
+
+    expand(0)
+    while len(tokens) < num_nodes and frontier:
+        neg_mass, depth, _, token, parent = heapq.heappop(frontier)
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depth)
+        masses.append(-neg_mass)
+        expand(len(tokens) - 1)
+    return DraftTree(tokens, parents)
+
+
+def _chain_lists(token_ids: list[int]) -> tuple[list[int], list[int]]:
+    return list(token_ids), list(range(-1, len(token_ids) - 1))

@@ -1,0 +1,300 @@
+"""UNO (LoRA self-drafting, sglang_spec.md §7.4): the batched LoRA of the draft rows, the shapes and SGLang's
+validation messages, and greedy output equal to HF transformers' greedy `generate` through the in-process stack
+(target server that also serves DraftService, the gateway scheduler and its clients), linear and tree mode."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from core import algorithms
+from runtime.lora import LoRALinear, apply_adapter, load_adapter, lora_linear_ref, segments
+from runtime.speculative.uno import draft_chain, draft_tree
+from tests.stack import generate_ids, local_stack
+from tests.tiny_models import make_tiny_lora, make_tiny_model
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def uno_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"uno-{request.param}")
+    target = make_tiny_model(request.param, root / "target")
+    lora = make_tiny_lora(target, root)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return target, lora, hf
+
+
+def _runner(target: str):
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+
+    return ModelRunner(target, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048))
+
+
+# ---------------------------------------------------------------- batched LoRA
+@pytest.mark.parametrize("part_sizes", [[24, 8, 8], [16, 16], [20]])
+def test_batched_lora_with_mixed_rows_equals_per_row_merged_weights(part_sizes):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(12, sum(part_sizes), bias=True)
+    lora = LoRALinear(base, part_sizes, scaling=1.5)
+    parts = {}
+    for p, size in enumerate(part_sizes):
+        if p == 1 and len(part_sizes) > 1:
+            continue  # a part the adapter leaves alone (e.g. k_proj of a q/v adapter)
+        parts[p] = (torch.randn(3, 12, generator=gen), torch.randn(size, 3, generator=gen))
+        lora.set_part(p, *parts[p])
+    x = torch.randn(7, 12, generator=gen)
+    ids = torch.tensor([-1, 0, 0, -1, 0, -1, -1])
+    with torch.no_grad(), segments([lora], ids):
+        got = lora(x)
+    want = lora_linear_ref(x, base.weight, base.bias, part_sizes, parts, 1.5, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(lora(x), base(x)), "outside `segments` every row runs the base weights, bit for bit"
+
+
+def test_draft_rows_change_with_the_adapter_and_clean_rows_do_not(uno_pair):
+    """Through the runtime model: in one forward, the rows marked for the adapter equal a forward of a model whose
+    weights are merged (W + s·BA) on every row, and the other rows equal the base model."""
+    target, lora_path, _ = uno_pair
+    from runtime.model_runner import SeqForward
+
+    tokens = [5, 9, 17, 33, 2, 71, 8]
+    base_runner, merged_runner, lora_runner = _runner(target), _runner(target), _runner(target)
+    adapter = load_adapter(lora_path)
+    wrappers = apply_adapter(lora_runner.model, adapter)
+    for w in apply_adapter(merged_runner.model, adapter):  # merged: the delta on every row
+        w.rows = torch.arange(len(tokens))
+    outs = []
+    for runner in (base_runner, merged_runner, lora_runner):
+        runner.add_seq("s")
+        ids = torch.tensor([-1, -1, -1, -1, 0, 0, 0]) if runner is lora_runner else None
+        with segments(wrappers if runner is lora_runner else [], ids):
+            outs.append(runner.forward([SeqForward("s", tokens, logits="all")]).logits[0])
+    base, merged, mixed = outs
+    torch.testing.assert_close(mixed[:4], base[:4], rtol=0, atol=0)  # causal: clean rows never see the adapter
+    assert not torch.allclose(mixed[4:], base[4:], atol=1e-3)
+    # rows 4.. of the mixed forward attend to clean KV of rows 0..3, so compare them with a per-row reference:
+    ref = _runner(target)
+    ref_wrappers = apply_adapter(ref.model, adapter)
+    ref.add_seq("s")
+    ref.forward([SeqForward("s", tokens[:4], logits="none")])
+    for j in range(4, len(tokens)):
+        with segments(ref_wrappers, torch.tensor([0])):
+            row = ref.forward([SeqForward("s", [tokens[j]], logits="all")]).logits[0]
+        torch.testing.assert_close(mixed[j], row[0], rtol=1e-4, atol=1e-4)
+    del merged
+
+
+# ---------------------------------------------------------------- shapes
+def test_best_first_tree_is_closed_and_ordered():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=gen) * 3
+    tree = draft_tree(7, logits, topk=3, num_nodes=8)
+    assert tree.token_ids[0] == 7 and tree.parents[0] == -1 and tree.parents.count(-1) == 1
+    assert len(tree) == 8
+    tree.validate()
+    lp = torch.log_softmax(logits, dim=-1)
+    depths = tree.depths()
+    mass = [0.0]
+    for i in range(1, len(tree)):
+        mass.append(mass[tree.parents[i]] + lp[depths[i] - 1, tree.token_ids[i]].item())
+    assert all(mass[i] >= mass[i + 1] - 1e-6 for i in range(1, len(tree) - 1)), "best-first: masses never increase"
+    # exhaustive check: no unchosen candidate beats the worst chosen node
+    chosen = {(tree.parents[i], tree.token_ids[i]) for i in range(1, len(tree))}
+    top = lp.topk(3, dim=-1)
+    for node in range(len(tree)):
+        if depths[node] >= 3:
+            continue
+        for v, t in zip(top.values[depths[node]].tolist(), top.indices[depths[node]].tolist()):
+            if (node, t) not in chosen:
+                assert mass[node] + v <= min(mass[1:]) + 1e-6
+
+
+def test_linear_chain_greedy_and_sampled():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    assert draft_chain(2, logits, None).token_ids == [2, 1, 0]
+    from runtime.sampling import SamplingParams
+
+    tree = draft_chain(2, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert tree.parents == [-1, 0, 1] and tree.draft_probs.shape == (3, 3)
+    assert tree.draft_probs[0].tolist() == [0.0, 0.0, 1.0]  # the clean root, one-hot
+    torch.testing.assert_close(tree.draft_probs[1:], torch.softmax(logits, -1))
+
+
+# ---------------------------------------------------------------- validation (SGLang's messages)
+UNO = algorithms.get("UNO")
+
+
+@pytest.mark.parametrize("triple, message", [
+    ((None, 1, 0), "UNO requires --speculative-num-draft-tokens to be a positive integer denoting the linear width "
+                   "or tree verify width Q."),
+    ((3, 1, None), "UNO requires --speculative-num-draft-tokens to be a positive integer"),
+    ((3, 0, 8), "UNO requires --speculative-eagle-topk to be at least 1, got 0."),
+    ((None, 4, 8), "UNO tree mode requires --speculative-num-steps so its draft width F can be derived as "
+                   "speculative_num_steps + 1."),
+    ((0, 4, 8), "UNO tree mode requires --speculative-num-steps to be positive, got 0."),
+    ((7, 4, 6), "UNO tree mode requires Q >= F; got Q=6, F=8."),
+    ((3, 4, 129), "UNO tree mode currently supports at most Q=128 verify nodes, got Q=129."),
+    ((3, 32, 65), "UNO tree mode currently supports Q*K <= 2048; got Q*K=65*32=2080."),
+    ((1, 2, 4), "UNO tree mode cannot build the requested Q from F and K: Q=4 exceeds capacity=3 for F=2, K=2."),
+    ((2, 2, 5), "UNO tree mode cannot represent the requested Q in EAGLE's parent-list ABI: Q-1=4 exceeds "
+                "K*(F-2)+1=3 for F=3, K=2."),
+])
+def test_every_uno_shape_rule_has_sglangs_message(triple, message):
+    with pytest.raises(ValueError) as exc:
+        UNO.resolve_shape("LlamaForCausalLM", *triple)
+    assert str(exc.value).startswith(message)
+
+
+def test_uno_shapes_linear_and_tree(caplog):
+    assert UNO.resolve_shape("LlamaForCausalLM") == (1, 1, 4)
+    assert UNO.resolve_shape(None, None, None, 8) == (1, 1, 8)
+    assert UNO.resolve_shape(None, 5, 1, 8) == (1, 1, 8)  # linear: F = num_draft_tokens, steps forced to 1
+    assert "UNO uses speculative_num_steps=1; overriding 5." in caplog.text
+    assert UNO.resolve_shape(None, 3, 4, 8) == (3, 4, 8)
+    assert UNO.resolve_shape(None, 15, 32, 32) == (15, 32, 32)  # SGLang's B/K/V 16/32/32
+
+
+def _prepare(*argv):
+    from tandem.cli import build_parser, prepare
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", *argv])
+    prepare(args, parser)
+    return args
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-draft-model-path", "x"],
+     "UNO reuses the target model and does not accept --speculative-draft-model-path."),
+    (["--speculative-use-rejection-sampling"],
+     "UNO manages its own stochastic verification and does not use --speculative-use-rejection-sampling."),
+    (["--speculative-num-steps", "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+      "--speculative-accept-threshold-single", "0.5"],
+     "UNO tree mode reuses EAGLE target-only sampling and requires both speculative accept thresholds to be 1.0."),
+    (["--tp-size", "2"], "UNO requires TP=PP=1."),
+    (["--speculative-num-draft-tokens", "0"], "UNO requires --speculative-num-draft-tokens to be a positive"),
+])
+def test_uno_flag_rules_exit_with_sglangs_messages(argv, message):
+    with pytest.raises(SystemExit) as exc:
+        _prepare("--speculative-algorithm", "UNO", *argv)
+    assert str(exc.value) == f"error: {message}" or str(exc.value).startswith(f"error: {message}")
+
+
+def test_uno_lora_path_is_required_off_the_bundled_target(tmp_path, monkeypatch):
+    monkeypatch.delenv("UNO_LORA_PATH", raising=False)
+    target = make_tiny_model("llama", tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        _prepare("--model-path", target, "--speculative-algorithm", "UNO")
+    assert str(exc.value) == "error: UNO requires --uno-lora-path."
+    lora = make_tiny_lora(target, tmp_path)
+    monkeypatch.setenv("UNO_LORA_PATH", lora)
+    assert _prepare("--model-path", target, "--speculative-algorithm", "UNO").uno_lora_path == lora
+    args = _prepare("--model-path", target, "--speculative-algorithm", "uno", "--uno-lora-path", lora,
+                    "--speculative-num-draft-tokens", "6")
+    assert (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == ("UNO", 1, 1, 6)
+
+
+def test_serve_starts_no_draft_process_and_points_the_gateway_at_the_targets(tmp_path):
+    from tandem.launch import commands
+
+    target = make_tiny_model("llama", tmp_path)
+    args = _prepare("--model-path", target, "--uno-lora-path", make_tiny_lora(target, tmp_path),
+                    "--speculative-algorithm", "UNO", "--num-target-replicas", "2")
+    cmds = commands(args)
+    assert not [n for n in cmds if n.startswith("draft-")]
+    gateway = cmds["gateway"]
+    targets = gateway[gateway.index("--target-address") + 1]
+    assert gateway[gateway.index("--draft-address") + 1] == targets
+    assert "--uno-lora-path" in cmds["target-0"]
+
+
+# ---------------------------------------------------------------- lossless through the stack
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 4), (1, 1, 1), (3, 3, 7)], ids=["linear-4", "linear-1", "tree"])
+async def test_uno_greedy_matches_hf_generate(uno_pair, steps, topk, ndt):
+    target, lora, hf = uno_pair
+    gen = torch.Generator().manual_seed(7)
+    rand = torch.randint(3, hf.config.vocab_size, (40,), generator=gen).tolist()
+    prompts = [rand[:5], rand[:23], rand[:6] * 4, [rand[0]]]
+    async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        for i, prompt in enumerate(prompts):
+            max_new = 13 + 5 * i
+            got, usage, finish = await generate_ids(scheduler, prompt, max_new, request_id=f"p{i}")
+            assert got == hf_greedy(hf, prompt, max_new), f"prompt {i}: UNO output diverged from HF greedy"
+            assert finish.value == "length" and usage.completion_tokens == max_new
+            # the clean root is accepted every step: at least one draft token per verify that was not cut short
+            assert usage.accepted_draft_tokens >= (max_new - 1) // (ndt + 1)
+        engine = scheduler.test_engine
+        assert engine.num_seqs == 0 and not engine._pending
+        runner = scheduler.test_target_runner
+        assert runner.num_free_tokens() == runner.num_total_tokens(), "KV leaked"
+
+
+# ---------------------------------------------------------------- trainer
+def test_trainer_draft_pass_is_the_serving_draft_pass(tmp_path):
+    """tools/train_uno.py's masked training forward computes exactly the rows serving computes: the clean rows of the
+    window and, for a noise block after anchor t, the LoRA rows of the runtime's draft pass."""
+    from runtime.lora import LoRAConfig, save_adapter
+    from runtime.model_runner import SeqForward
+    from tools.train_uno import LoRAWeights, UnoTrainConfig, clean_pass, draft_pass
+
+    target = make_tiny_model("qwen2", tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    cfg = UnoTrainConfig(rank=4, alpha=8.0, width=4, seq_len=16)
+    torch.manual_seed(0)
+    lora = LoRAWeights(hf, cfg)
+    with torch.no_grad():
+        for p in lora.b.values():
+            p.normal_(0, 0.2)
+    save_adapter(tmp_path / "lora", LoRAConfig(4, 8.0, cfg.target_modules), lora.export(), dtype=torch.float32)
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    anchors, noise = torch.tensor([[5, 9]]), torch.randint(3, 300, (1, 2, 3), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        kvs, clean = clean_pass(hf, lora, ids)
+        rows = draft_pass(hf, lora, kvs, anchors, noise, 16)  # (1, 2, 3, V)
+    runner = _runner(target)
+    wrappers = apply_adapter(runner.model, load_adapter(tmp_path / "lora"))
+    for m, t in enumerate(anchors[0].tolist()):
+        runner.add_seq(f"s{m}")
+        runner.forward([SeqForward(f"s{m}", ids[0, :t].tolist(), logits="none")])
+        with segments(wrappers, torch.tensor([-1, 0, 0, 0])):
+            got = runner.forward([SeqForward(f"s{m}", [int(ids[0, t]), *noise[0, m].tolist()], logits="all")]).logits[0]
+        torch.testing.assert_close(got[0], clean[0, t], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1:], rows[0, m], rtol=1e-4, atol=1e-4)
+
+
+def test_trainer_runs_and_writes_a_loadable_adapter(tmp_path):
+    import json
+
+    from tandem.args import DEFAULT_MODEL
+    from tools.train_draft import main
+
+    big = make_tiny_model("llama", tmp_path, vocab_size=8192)  # the demo tokenizer's ids fit its embedding
+    transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(big)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = tmp_path / "uno"
+    main(["--kind", "uno", "--target-model-path", big, "--corpus", str(corpus), "--output-dir", str(out),
+          "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--lora-rank", "2", "--uno-width", "4",
+          "--uno-anchors", "3", "--minutes", "2"])
+    info = json.loads((out / "training_info.json").read_text())
+    assert info["kind"] == "uno" and info["training"]["steps"] == 3
+    adapter = load_adapter(out)
+    assert adapter.config.r == 2 and len(adapter.weights) == 3 * 7
+    assert any(b.abs().sum() > 0 for _, b in adapter.weights.values()), "three steps must move B off zero"
+    runner = _runner(big)
+    assert apply_adapter(runner.model, adapter)
