@@ -15,7 +15,7 @@ import time
 import torch
 
 from core.steps import PrefillInput, StepOutput, VerifyInput
-from core.types import FinishReason
+from core.types import DraftTree, FinishReason
 from core.types import SeqStatus as Status
 from runtime.chunked import forward_chunked
 from runtime.kv_cache import OutOfKVBlocks

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 
 from core import algorithms
-from draft_service.proposer import ProposeInput, Proposer
+from core.steps import ProposeInput
+from draft_service.proposer import Proposer
 from runtime.lora import apply_adapter, load_adapter
-from runtime.speculative.tree import DraftTree
+from core.types import DraftTree
 from runtime.speculative.uno import draft_chain, draft_tree
 from target_service.engine import TargetEngine
 

@@ -11,11 +11,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draft_service.proposer import ProposeInput, SpecShape
+from core.steps import ProposeInput, SpecShape
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampling import SamplingParams, process_logits
-from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+from core.steps import PrefillInput, VerifyInput
+from core.types import StopRule
+from target_service.engine import TargetEngine
 from target_service.uno import UnoProposer, attach_adapter
 from tests.tiny_models import load_hf_model, make_tiny_lora, make_tiny_model
 
