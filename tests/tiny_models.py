@@ -144,6 +144,9 @@ def make_tiny_dflash_draft(target_path: str, dir: str | os.PathLike, *, block_si
             param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else std * noise)
     path = os.path.join(os.fspath(dir), "dflash")
     save_dflash_draft(model, raw, path)
+    return path
+
+
 def make_tiny_lora(model_path: str, dir: str | os.PathLike, r: int = 4, seed: int = 3, std: float = 0.3,
                    modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj")) -> str:
