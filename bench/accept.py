@@ -60,6 +60,13 @@ CONFIGS = {
     "NEXTN-multi": ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
                     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
                     "--enable-multi-layer-eagle"],
+    # UNO: the target drafts with the bundled LoRA (models/tandem-demo-code-uno), linear F=4 and tree F=4/K=4/Q=8
+    "UNO-linear": ["--speculative-algorithm", "UNO", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+                   "--speculative-num-draft-tokens", "4"],
+    "UNO-tree": ["--speculative-algorithm", "UNO", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                 "--speculative-num-draft-tokens", "8"],
+    # DFLASH: no bundled draft (models/ would pass 30 MB); bench/gpu_session.sh trains one into /tmp/demo-dflash
+    "DFLASH": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/tmp/demo-dflash"],
 }
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())

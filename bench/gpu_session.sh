@@ -2,7 +2,7 @@
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
-# Stages: step_tests overlap adaptive mtp mtp_bundle step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -114,6 +114,24 @@ for s in $STAGES; do
         --out "$R/accept_mtp2.json" -- --device cuda --model-path /tmp/demo-mtp2 --cuda-graph-max-bs 8 \
         > "$R/accept_mtp2.log" 2>&1
       tail -5 "$R/accept_mtp2.log" ;;
+    dflash_uno)  # a DFLASH draft for the demo target (2.5 min; not bundled) and a 2-layer MTP copy (kept for CPU tau)
+      # trained side by side, then tau + tok/s of DFLASH and UNO (bundled LoRA) next to EAGLE3 and plain decoding
+      rm -rf /tmp/demo-mtp2 /tmp/demo-dflash && cp -r $M /tmp/demo-mtp2
+      timeout 170 python3 -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path /tmp/demo-mtp2 \
+        --corpus /usr/lib/python3.12 --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-mtp2 --minutes 2.2 \
+        --device cuda --batch-size 64 --seq-len 512 > "$R/mtp2_train.log" 2>&1 &
+      timeout 190 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
+        --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 2.5 --device cuda --batch-size 64 \
+        --seq-len 512 > "$R/dflash_train.log" 2>&1
+      wait
+      tail -2 "$R/dflash_train.log"; tail -1 "$R/mtp2_train.log"
+      mkdir -p "$R/dflash" "$R/mtp2" && cp /tmp/demo-dflash/* "$R/dflash/"
+      cp /tmp/demo-mtp2/config.json /tmp/demo-mtp2/model.safetensors.index.json /tmp/demo-mtp2/mtp.safetensors \
+        /tmp/demo-mtp2/mtp_training_info.json "$R/mtp2/"
+      timeout 260 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree UNO-linear \
+        UNO-tree DFLASH --out "$R/accept_dflash_uno.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_dflash_uno.log" 2>&1
+      tail -8 "$R/accept_dflash_uno.log" ;;
     flashinfer)
       timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_flashinfer_backend_gpu.py \
         > "$R/flashinfer.log" 2>&1
