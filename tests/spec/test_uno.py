@@ -298,3 +298,64 @@ def test_trainer_runs_and_writes_a_loadable_adapter(tmp_path):
     assert any(b.abs().sum() > 0 for _, b in adapter.weights.values()), "three steps must move B off zero"
     runner = _runner(big)
     assert apply_adapter(runner.model, adapter)
+
+
+# ---------------------------------------------------------------- what Tandem adds: penalties and logprobs
+@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 4), (3, 3, 7)], ids=["linear", "tree"])
+async def test_uno_with_repetition_penalty_and_logprobs_equals_hf(uno_pair, steps, topk, ndt):
+    """SGLang's UNO refuses penalties and logprobs; here the clean root is drawn with the request's processing and
+    the rows below it are penalised for their path, so a penalised greedy run equals HF's, and every emitted token's
+    logprob (the clean root's from the draft pass's clean row) equals HF's."""
+    from gateway.types import GenerateParams, RequestSampling
+    from tests.test_logprobs import _close, _reference
+
+    target, lora, hf = uno_pair
+    prompt = [5, 9, 13, 2, 7, 11, 3]
+    async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        params = GenerateParams("rp", prompt, 20, sampling=RequestSampling(temperature=0.0, repetition_penalty=1.3),
+                                detokenize=False)
+        penalised = [t async for chunk in scheduler.generate(params) for t in chunk.token_ids]
+        params = GenerateParams("lp", prompt, 20, sampling=RequestSampling(temperature=0.0), detokenize=False,
+                                logprobs=2)
+        tokens, entries = [], []
+        async for chunk in scheduler.generate(params):
+            tokens += chunk.token_ids
+            entries += chunk.logprobs
+    with torch.no_grad():
+        expect = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, repetition_penalty=1.3,
+                             eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert penalised == expect[0, len(prompt):].tolist()
+    assert tokens == hf_greedy(hf, prompt, 20)
+    _close(entries, _reference(hf, prompt + tokens, len(prompt), 2))
+
+
+def test_a_verify_that_does_not_build_on_the_draft_pass_rolls_its_root_kv_back(uno_pair):
+    """The draft pass keeps the last committed token's KV; a Verify with another tree (here: none, a plain decode
+    step), a second draft pass, or a release leave the engine exactly as without it."""
+    from runtime.sampling import SamplingParams
+    from runtime.speculative.tree import DraftTree
+    from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+    from target_service.uno import attach_adapter
+
+    target, lora, hf = uno_pair
+    runner = _runner(target)
+    engine = TargetEngine(runner)
+    attach_adapter(engine, lora)
+    prompt = [5, 9, 13, 2, 7]
+    stop = StopRule(max_new_tokens=50, prompt_len=len(prompt))
+    greedy = SamplingParams(temperature=0.0)
+    engine.prefill([PrefillInput("s", prompt, False, greedy, stop)])
+    assert runner.kv_len("s") == len(prompt) - 1
+    first = engine.self_draft([("s", len(prompt), 4)])[0]
+    assert runner.kv_len("s") == len(prompt) and first.draft_logits.shape[0] == 3
+    again = engine.self_draft([("s", len(prompt), 3)])[0]  # a second draft pass: same clean root, same KV length
+    assert again.root_token_id == first.root_token_id and runner.kv_len("s") == len(prompt)
+    assert engine.self_draft([("s", len(prompt) + 1, 4)]) == [None]  # another committed length: nothing to draft
+    out = engine.verify([VerifyInput("s", len(prompt), prompt[-1], DraftTree([], []), greedy, stop)])[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 1) == [first.root_token_id]
+    committed = prompt + out.token_ids
+    assert runner.kv_len("s") == len(committed) - 1
+    engine.self_draft([("s", len(committed), 4)])
+    engine.release(["s"])
+    assert runner.num_free_tokens() == runner.num_total_tokens() and not engine._pending
