@@ -33,6 +33,7 @@ def check(args: argparse.Namespace) -> None:
         path = str(REPO_ROOT / "models" / algorithms.get("UNO").bundled_draft)
     if path is None:
         raise ValueError("UNO requires --uno-lora-path.")
-    if not (Path(path) / "adapter_config.json").is_file():
+    # (the gateway never reads the adapter: it need not be mounted there)
+    if getattr(args, "command", None) != "gateway" and not (Path(path) / "adapter_config.json").is_file():
         raise ValueError(f"--uno-lora-path {path}: not a PEFT LoRA adapter folder (no adapter_config.json)")
     args.uno_lora_path = path
