@@ -215,6 +215,16 @@ def test_serve_starts_no_draft_process_and_points_the_gateway_at_the_targets(tmp
     assert "--uno-lora-path" in cmds["target-0"]
 
 
+def test_draft_process_flags_and_other_algorithms_flags_get_a_warning(tmp_path, capsys):
+    target = make_tiny_model("llama", tmp_path)
+    lora = make_tiny_lora(target, tmp_path)
+    _prepare("--model-path", target, "--uno-lora-path", lora, "--speculative-algorithm", "UNO",
+             "--num-draft-replicas", "2")
+    assert "--num-draft-replicas is ignored for UNO: the target pods draft" in capsys.readouterr().err
+    _prepare("--model-path", target, "--uno-lora-path", lora, "--speculative-algorithm", "NGRAM")
+    assert "--uno-lora-path is ignored for NGRAM: it is UNO's" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- lossless through the stack
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
