@@ -394,7 +394,7 @@ class TargetEngine:
         start = time.perf_counter()
         graphs, self.runner.use_cuda_graph = self.runner.use_cuda_graph, False  # captured graphs know no LoRA
         try:
-            with segments(self.draft_lora or [], torch.tensor(segment_ids, device=self.device)):
+            with segments(self.draft_lora or [], segment_ids):  # rows 1.. of each sequence: the LoRA's
                 result = self.runner.forward(forwards)
         except OutOfKVBlocks:
             return results

@@ -58,36 +58,29 @@ def test_batched_lora_with_mixed_rows_equals_per_row_merged_weights(part_sizes):
 
 
 def test_draft_rows_change_with_the_adapter_and_clean_rows_do_not(uno_pair):
-    """Through the runtime model: in one forward, the rows marked for the adapter equal a forward of a model whose
-    weights are merged (W + s·BA) on every row, and the other rows equal the base model."""
+    """Through the runtime model, in one forward: the rows with segment id -1 equal the base model exactly (causal:
+    they never see the adapter), and each adapter row equals a forward of that row alone with the adapter on, over
+    the same clean KV (the per-row application)."""
     target, lora_path, _ = uno_pair
     from runtime.model_runner import SeqForward
 
     tokens = [5, 9, 17, 33, 2, 71, 8]
-    base_runner, merged_runner, lora_runner = _runner(target), _runner(target), _runner(target)
     adapter = load_adapter(lora_path)
-    wrappers = apply_adapter(lora_runner.model, adapter)
-    for w in apply_adapter(merged_runner.model, adapter):  # merged: the delta on every row
-        w.rows = torch.arange(len(tokens))
-    outs = []
-    for runner in (base_runner, merged_runner, lora_runner):
-        runner.add_seq("s")
-        ids = torch.tensor([-1, -1, -1, -1, 0, 0, 0]) if runner is lora_runner else None
-        with segments(wrappers if runner is lora_runner else [], ids):
-            outs.append(runner.forward([SeqForward("s", tokens, logits="all")]).logits[0])
-    base, merged, mixed = outs
-    torch.testing.assert_close(mixed[:4], base[:4], rtol=0, atol=0)  # causal: clean rows never see the adapter
+    base_runner, lora_runner, ref = _runner(target), _runner(target), _runner(target)
+    wrappers, ref_wrappers = apply_adapter(lora_runner.model, adapter), apply_adapter(ref.model, adapter)
+    base_runner.add_seq("s")
+    base = base_runner.forward([SeqForward("s", tokens, logits="all")]).logits[0]
+    lora_runner.add_seq("s")
+    with segments(wrappers, torch.tensor([-1, -1, -1, -1, 0, 0, 0])):
+        mixed = lora_runner.forward([SeqForward("s", tokens, logits="all")]).logits[0]
+    torch.testing.assert_close(mixed[:4], base[:4], rtol=0, atol=0)
     assert not torch.allclose(mixed[4:], base[4:], atol=1e-3)
-    # rows 4.. of the mixed forward attend to clean KV of rows 0..3, so compare them with a per-row reference:
-    ref = _runner(target)
-    ref_wrappers = apply_adapter(ref.model, adapter)
     ref.add_seq("s")
     ref.forward([SeqForward("s", tokens[:4], logits="none")])
-    for j in range(4, len(tokens)):
+    for j in range(4, len(tokens)):  # row j alone, adapter on, after the clean prefix and the adapter rows before it
         with segments(ref_wrappers, torch.tensor([0])):
             row = ref.forward([SeqForward("s", [tokens[j]], logits="all")]).logits[0]
         torch.testing.assert_close(mixed[j], row[0], rtol=1e-4, atol=1e-4)
-    del merged
 
 
 # ---------------------------------------------------------------- shapes
