@@ -265,7 +265,8 @@ def test_trainer_draft_pass_is_the_serving_draft_pass(tmp_path):
             p.normal_(0, 0.2)
     save_adapter(tmp_path / "lora", LoRAConfig(4, 8.0, cfg.target_modules), lora.export(), dtype=torch.float32)
     ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
-    anchors, noise = torch.tensor([[5, 9]]), torch.randint(3, 300, (1, 2, 3), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[5, 9]])
+    noise = torch.randint(3, 300, (1, 2, 3), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         kvs, clean = clean_pass(hf, lora, ids)
         rows = draft_pass(hf, lora, kvs, anchors, noise, 16)  # (1, 2, 3, V)
@@ -327,7 +328,8 @@ async def test_uno_with_repetition_penalty_and_logprobs_equals_hf(uno_pair, step
             entries += chunk.logprobs
     with torch.no_grad():
         expect = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, repetition_penalty=1.3,
-                             eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert penalised == expect[0, len(prompt):].tolist()
     assert tokens == hf_greedy(hf, prompt, 20)
     _close(entries, _reference(hf, prompt + tokens, len(prompt), 2))
