@@ -107,7 +107,8 @@ def load_adapter(path: str | Path) -> LoRAAdapter:
 
 
 def save_adapter(path: str | Path, config: LoRAConfig,
-                 weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:
+                 weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:
     """Write PEFT's layout (key prefix `base_model.model.model.layers.{i}`), as PEFT's save_pretrained would."""
     from safetensors.torch import save_file
 
