@@ -106,7 +106,8 @@ def load_adapter(path: str | Path) -> LoRAAdapter:
     return LoRAAdapter(config, weights)
 
 
-def save_adapter(path: str | Path, config: LoRAConfig, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+def save_adapter(path: str | Path, config: LoRAConfig,
+                 weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
                  dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:
     """Write PEFT's layout (key prefix `base_model.model.model.layers.{i}`), as PEFT's save_pretrained would."""
     from safetensors.torch import save_file
@@ -192,10 +193,17 @@ def apply_adapter(model: nn.Module, adapter: LoRAAdapter) -> list[LoRALinear]:
 
 
 @contextlib.contextmanager
-def segments(wrappers: list[LoRALinear], segment_ids: torch.Tensor | None) -> Iterator[None]:
+def segments(wrappers: list[LoRALinear], segment_ids: torch.Tensor | list[int] | None) -> Iterator[None]:
     """Within the block, the rows of every forward whose segment id is 0 (the adapter) get the LoRA delta; rows
-    with NO_ADAPTER (-1) run the base weights. segment_ids: (num_tokens,) of the packed forward."""
-    rows = None if segment_ids is None else (segment_ids == 0).nonzero().squeeze(-1)
+    with NO_ADAPTER (-1) run the base weights. segment_ids: (num_tokens,) of the packed forward; a host list is
+    turned into row indices without a device sync."""
+    if segment_ids is None or not wrappers:
+        rows = None
+    elif isinstance(segment_ids, torch.Tensor):
+        rows = (segment_ids == 0).nonzero().squeeze(-1)
+    else:
+        device = wrappers[0].weight.device
+        rows = torch.tensor([i for i, s in enumerate(segment_ids) if s == 0], dtype=torch.long, device=device)
     for w in wrappers:
         w.rows = rows
     try:

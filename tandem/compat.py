@@ -143,6 +143,9 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         if other is not entry:
             notes += [f"{f.flag} is ignored for {_algo(entry)}: it is {other.name}'s" for f in other.flags
                       if given(f.dest) and getattr(args, f.dest) not in (None, False)]
+    if entry.drafts_on_target:  # UNO: the target pods draft; `serve` starts no draft process
+        notes += [f"--{d.replace('_', '-')} is ignored for {entry.name}: the target pods draft (no draft process)"
+                  for d in ("num_draft_replicas", "draft_port", "draft_base_gpu_id") if given(d)]
     notes += verify_notes(args)
     if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",

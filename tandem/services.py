@@ -315,7 +315,7 @@ def _overlap_schedule(args: argparse.Namespace, target_infos, draft_infos) -> st
     unless a draft pod computes on the same device as a target pod. One device runs one half at a time, so a phase
     costs what a whole sequential step does and the split halves the throughput (H200, demo family, EAGLE3 4/2/8:
     0.50x at batch 8, 0.52x at batch 32; bench/results/overlap_h200/NOTES.md)."""
-    if args.disable_overlap_schedule or algorithms.get(args.speculative_algorithm).drafts_on_target:
+    if args.disable_overlap_schedule or algorithms.get(getattr(args, "speculative_algorithm", None)).drafts_on_target:
         return "off"  # (drafts on the target: Propose and Verify of a sequence go to the same pod)
     shared = ({i.accelerator for i in target_infos} & {i.accelerator for i in draft_infos}) - {""}
     if shared:

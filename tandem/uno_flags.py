@@ -30,9 +30,10 @@ def check(args: argparse.Namespace) -> None:
                          "thresholds to be 1.0.")
     path = getattr(args, "uno_lora_path", None) or os.environ.get("UNO_LORA_PATH") or None
     if path is None and Path(model_path(args)).resolve() == DEFAULT_MODEL.resolve():
-        path = str(REPO_ROOT / "models" / algorithms.get("UNO").bundled_draft)
+        path = str(REPO_ROOT / "models" / algorithms.get(args.speculative_algorithm).bundled_draft)
     if path is None:
         raise ValueError("UNO requires --uno-lora-path.")
-    if not (Path(path) / "adapter_config.json").is_file():
+    # (the gateway never reads the adapter: it need not be mounted there)
+    if getattr(args, "command", None) != "gateway" and not (Path(path) / "adapter_config.json").is_file():
         raise ValueError(f"--uno-lora-path {path}: not a PEFT LoRA adapter folder (no adapter_config.json)")
     args.uno_lora_path = path

@@ -306,7 +306,7 @@ class TargetEngine:
         exactly as plain decoding draws it, so it is emitted as is; the rest of the tree hangs below it and is
         verified from the forward's rows (row j = node j's output) by the ordinary rules — greedy walk, exact p/q
         rejection for a sampled chain that carries its q, exact tree sampling otherwise."""
-        subtree = DraftTree([t for t in inp.tree.token_ids[1:]], [p - 1 for p in inp.tree.parents[1:]],
+        subtree = DraftTree(list(inp.tree.token_ids[1:]), [p - 1 for p in inp.tree.parents[1:]],
                             None if inp.tree.draft_probs is None else inp.tree.draft_probs[1:])
         # Penalties of the rows below the root count the clean root as generated, as plain decoding would.
         with_root = dataclasses.replace(seq, token_ids=[*seq.token_ids, pending.token_id])
@@ -350,7 +350,7 @@ class TargetEngine:
         start = time.perf_counter()
         graphs, self.runner.use_cuda_graph = self.runner.use_cuda_graph, False  # captured graphs know no LoRA
         try:
-            with segments(self.draft_lora or [], torch.tensor(segment_ids, device=self.device)):
+            with segments(self.draft_lora or [], segment_ids):  # rows 1.. of each sequence: the LoRA's
                 result = self.runner.forward(forwards)
         except OutOfKVBlocks:
             return results

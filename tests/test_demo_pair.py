@@ -59,6 +59,27 @@ async def test_demo_pair_mean_accept_length_on_heldout_prompts(algorithm, draft,
     assert tau >= floor, f"{algorithm} {steps}/{topk}/{ndt}: mean accept length {tau:.2f} < floor {floor}"
 
 
+@pytest.mark.parametrize("steps,topk,ndt,floor", [(1, 1, 4, 2.25), (3, 4, 8, 2.45)], ids=["uno-linear", "uno-tree"])
+async def test_bundled_uno_lora_mean_accept_length_on_heldout_prompts(steps, topk, ndt, floor):
+    """UNO emits the clean root plus the target's own token every Verify, so tau >= 2 even when the LoRA rows guess
+    nothing (an adapter with B = 0: 2.04 linear, 2.12 tree); the floors sit between that and what the bundled adapter
+    gives through the engine loop (2.41, 2.67; models/README.md), so an adapter that is not applied fails."""
+    from core import algorithms
+    from tandem.args import REPO_ROOT
+
+    prompts = _prompts()
+    async with local_stack(DEFAULT_MODEL, algorithm="UNO", num_steps=steps, topk=topk, num_draft_tokens=ndt,
+                           max_total_tokens=16384,
+                           lora_path=REPO_ROOT / "models" / algorithms.get("UNO").bundled_draft) as scheduler:
+        results = await asyncio.gather(*(generate_ids(scheduler, p, MAX_NEW_TOKENS, request_id=f"u{i}")
+                                         for i, p in enumerate(prompts)))
+    tokens = sum(usage.completion_tokens for _, usage, _ in results)
+    tau = tokens / sum(usage.verify_steps + 1 for _, usage, _ in results)
+    assert tokens == len(prompts) * MAX_NEW_TOKENS
+    print(f"UNO {steps}/{topk}/{ndt}: tau {tau:.2f}")
+    assert tau >= floor, f"UNO {steps}/{topk}/{ndt}: mean accept length {tau:.2f} < floor {floor}"
+
+
 def test_eagle3_with_no_model_flags_serves_the_bundled_head():
     from tandem.args import resolve_spec
     from tandem.cli import build_parser

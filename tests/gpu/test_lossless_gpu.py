@@ -16,7 +16,8 @@ skip_without_gpu()
 
 import torch  # noqa: E402
 
-from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_EAGLE3, DEFAULT_MODEL  # noqa: E402
+from core import algorithms  # noqa: E402
+from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_EAGLE3, DEFAULT_MODEL, REPO_ROOT  # noqa: E402
 from tests.stack import generate_ids, local_stack  # noqa: E402
 
 NEW_TOKENS = 48
@@ -47,12 +48,15 @@ def prompts_and_reference():
     pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, id="eagle-chain-mtp"),
     pytest.param("NEXTN", DEFAULT_EAGLE, 3, 4, 8, id="nextn-tree"),
     pytest.param("NGRAM", None, 0, 1, 8, id="ngram"),
+    pytest.param("UNO", None, 1, 1, 4, id="uno-linear"),  # the target drafts: LoRA rows in an eager forward
+    pytest.param("UNO", None, 3, 4, 8, id="uno-tree"),
 ])
 async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt):
     prompts, want = prompts_and_reference
+    lora = REPO_ROOT / "models" / algorithms.get("UNO").bundled_draft if algorithm == "UNO" else None
     async with local_stack(DEFAULT_MODEL, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt, max_total_tokens=16384, device="cuda",
-                           dtype="float32") as scheduler:
+                           dtype="float32", lora_path=lora) as scheduler:
         results = await asyncio.gather(*(generate_ids(scheduler, p, NEW_TOKENS, request_id=f"g{i}")
                                          for i, p in enumerate(prompts)))
     got = [r[0] for r in results]

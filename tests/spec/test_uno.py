@@ -58,36 +58,29 @@ def test_batched_lora_with_mixed_rows_equals_per_row_merged_weights(part_sizes):
 
 
 def test_draft_rows_change_with_the_adapter_and_clean_rows_do_not(uno_pair):
-    """Through the runtime model: in one forward, the rows marked for the adapter equal a forward of a model whose
-    weights are merged (W + s·BA) on every row, and the other rows equal the base model."""
+    """Through the runtime model, in one forward: the rows with segment id -1 equal the base model exactly (causal:
+    they never see the adapter), and each adapter row equals a forward of that row alone with the adapter on, over
+    the same clean KV (the per-row application)."""
     target, lora_path, _ = uno_pair
     from runtime.model_runner import SeqForward
 
     tokens = [5, 9, 17, 33, 2, 71, 8]
-    base_runner, merged_runner, lora_runner = _runner(target), _runner(target), _runner(target)
     adapter = load_adapter(lora_path)
-    wrappers = apply_adapter(lora_runner.model, adapter)
-    for w in apply_adapter(merged_runner.model, adapter):  # merged: the delta on every row
-        w.rows = torch.arange(len(tokens))
-    outs = []
-    for runner in (base_runner, merged_runner, lora_runner):
-        runner.add_seq("s")
-        ids = torch.tensor([-1, -1, -1, -1, 0, 0, 0]) if runner is lora_runner else None
-        with segments(wrappers if runner is lora_runner else [], ids):
-            outs.append(runner.forward([SeqForward("s", tokens, logits="all")]).logits[0])
-    base, merged, mixed = outs
-    torch.testing.assert_close(mixed[:4], base[:4], rtol=0, atol=0)  # causal: clean rows never see the adapter
+    base_runner, lora_runner, ref = _runner(target), _runner(target), _runner(target)
+    wrappers, ref_wrappers = apply_adapter(lora_runner.model, adapter), apply_adapter(ref.model, adapter)
+    base_runner.add_seq("s")
+    base = base_runner.forward([SeqForward("s", tokens, logits="all")]).logits[0]
+    lora_runner.add_seq("s")
+    with segments(wrappers, torch.tensor([-1, -1, -1, -1, 0, 0, 0])):
+        mixed = lora_runner.forward([SeqForward("s", tokens, logits="all")]).logits[0]
+    torch.testing.assert_close(mixed[:4], base[:4], rtol=0, atol=0)
     assert not torch.allclose(mixed[4:], base[4:], atol=1e-3)
-    # rows 4.. of the mixed forward attend to clean KV of rows 0..3, so compare them with a per-row reference:
-    ref = _runner(target)
-    ref_wrappers = apply_adapter(ref.model, adapter)
     ref.add_seq("s")
     ref.forward([SeqForward("s", tokens[:4], logits="none")])
-    for j in range(4, len(tokens)):
+    for j in range(4, len(tokens)):  # row j alone, adapter on, after the clean prefix and the adapter rows before it
         with segments(ref_wrappers, torch.tensor([0])):
             row = ref.forward([SeqForward("s", [tokens[j]], logits="all")]).logits[0]
         torch.testing.assert_close(mixed[j], row[0], rtol=1e-4, atol=1e-4)
-    del merged
 
 
 # ---------------------------------------------------------------- shapes
@@ -215,6 +208,16 @@ def test_serve_starts_no_draft_process_and_points_the_gateway_at_the_targets(tmp
     assert "--uno-lora-path" in cmds["target-0"]
 
 
+def test_draft_process_flags_and_other_algorithms_flags_get_a_warning(tmp_path, capsys):
+    target = make_tiny_model("llama", tmp_path)
+    lora = make_tiny_lora(target, tmp_path)
+    _prepare("--model-path", target, "--uno-lora-path", lora, "--speculative-algorithm", "UNO",
+             "--num-draft-replicas", "2")
+    assert "--num-draft-replicas is ignored for UNO: the target pods draft" in capsys.readouterr().err
+    _prepare("--model-path", target, "--uno-lora-path", lora, "--speculative-algorithm", "NGRAM")
+    assert "--uno-lora-path is ignored for NGRAM: it is UNO's" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- lossless through the stack
 def hf_greedy(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
@@ -262,7 +265,8 @@ def test_trainer_draft_pass_is_the_serving_draft_pass(tmp_path):
             p.normal_(0, 0.2)
     save_adapter(tmp_path / "lora", LoRAConfig(4, 8.0, cfg.target_modules), lora.export(), dtype=torch.float32)
     ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
-    anchors, noise = torch.tensor([[5, 9]]), torch.randint(3, 300, (1, 2, 3), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([[5, 9]])
+    noise = torch.randint(3, 300, (1, 2, 3), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         kvs, clean = clean_pass(hf, lora, ids)
         rows = draft_pass(hf, lora, kvs, anchors, noise, 16)  # (1, 2, 3, V)
@@ -298,3 +302,65 @@ def test_trainer_runs_and_writes_a_loadable_adapter(tmp_path):
     assert any(b.abs().sum() > 0 for _, b in adapter.weights.values()), "three steps must move B off zero"
     runner = _runner(big)
     assert apply_adapter(runner.model, adapter)
+
+
+# ---------------------------------------------------------------- what Tandem adds: penalties and logprobs
+@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 4), (3, 3, 7)], ids=["linear", "tree"])
+async def test_uno_with_repetition_penalty_and_logprobs_equals_hf(uno_pair, steps, topk, ndt):
+    """SGLang's UNO refuses penalties and logprobs; here the clean root is drawn with the request's processing and
+    the rows below it are penalised for their path, so a penalised greedy run equals HF's, and every emitted token's
+    logprob (the clean root's from the draft pass's clean row) equals HF's."""
+    from gateway.types import GenerateParams, RequestSampling
+    from tests.test_logprobs import _close, _reference
+
+    target, lora, hf = uno_pair
+    prompt = [5, 9, 13, 2, 7, 11, 3]
+    async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        params = GenerateParams("rp", prompt, 20, sampling=RequestSampling(temperature=0.0, repetition_penalty=1.3),
+                                detokenize=False)
+        penalised = [t async for chunk in scheduler.generate(params) for t in chunk.token_ids]
+        params = GenerateParams("lp", prompt, 20, sampling=RequestSampling(temperature=0.0), detokenize=False,
+                                logprobs=2)
+        tokens, entries = [], []
+        async for chunk in scheduler.generate(params):
+            tokens += chunk.token_ids
+            entries += chunk.logprobs
+    with torch.no_grad():
+        expect = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, repetition_penalty=1.3,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    assert penalised == expect[0, len(prompt):].tolist()
+    assert tokens == hf_greedy(hf, prompt, 20)
+    _close(entries, _reference(hf, prompt + tokens, len(prompt), 2))
+
+
+def test_a_verify_that_does_not_build_on_the_draft_pass_rolls_its_root_kv_back(uno_pair):
+    """The draft pass keeps the last committed token's KV; a Verify with another tree (here: none, a plain decode
+    step), a second draft pass, or a release leave the engine exactly as without it."""
+    from runtime.sampling import SamplingParams
+    from runtime.speculative.tree import DraftTree
+    from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+    from target_service.uno import attach_adapter
+
+    target, lora, hf = uno_pair
+    runner = _runner(target)
+    engine = TargetEngine(runner)
+    attach_adapter(engine, lora)
+    prompt = [5, 9, 13, 2, 7]
+    stop = StopRule(max_new_tokens=50, prompt_len=len(prompt))
+    greedy = SamplingParams(temperature=0.0)
+    engine.prefill([PrefillInput("s", prompt, False, greedy, stop)])
+    assert runner.kv_len("s") == len(prompt) - 1
+    first = engine.self_draft([("s", len(prompt), 4)])[0]
+    assert runner.kv_len("s") == len(prompt) and first.draft_logits.shape[0] == 3
+    again = engine.self_draft([("s", len(prompt), 3)])[0]  # a second draft pass: same clean root, same KV length
+    assert again.root_token_id == first.root_token_id and runner.kv_len("s") == len(prompt)
+    assert engine.self_draft([("s", len(prompt) + 1, 4)]) == [None]  # another committed length: nothing to draft
+    out = engine.verify([VerifyInput("s", len(prompt), prompt[-1], DraftTree([], []), greedy, stop)])[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 1) == [first.root_token_id]
+    committed = prompt + out.token_ids
+    assert runner.kv_len("s") == len(committed) - 1
+    engine.self_draft([("s", len(committed), 4)])
+    engine.release(["s"])
+    assert runner.num_free_tokens() == runner.num_total_tokens() and not engine._pending

@@ -1,7 +1,8 @@
 """χ² tests of UNO's sampled paths through the real target engine and the UNO proposer: a sampled linear chain (the
 clean root, then LoRA drafts drawn from q and verified by exact p/q rejection) and a sampled best-first tree (exact
 target-only tree sampling below the clean root) emit tokens that follow HF transformers' target distribution at the
-first and second position (the second: an accepted LoRA draft or the target's correction). Thousands of sequences with their own seeds run as one batched Propose + Verify."""
+first and second position (the second: an accepted LoRA draft or the target's correction). Thousands of sequences
+with their own seeds run as one batched Propose + Verify."""
 from __future__ import annotations
 
 import collections
