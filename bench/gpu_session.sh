@@ -1,7 +1,8 @@
 #!/bin/bash
 # The pending H200 measurements, in priority order, each stage under its own time limit so a slow stage cannot eat
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
-#   device run:  bash bench/gpu_session.sh [STAGE ...]      (carry .whl: gateway wheels + flashinfer, see README)
+#   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
+#                BUDGET_S under the call's limit_s, which shrinks to the device time left)
 # Stages: step_tests overlap adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
@@ -14,8 +15,15 @@ else
   export PYTHONPATH=$PWD
 fi
 OUT=${OUT:-/tmp/out}; R=/tmp/gpu_session; mkdir -p "$R" "$OUT"; T0=$(date +%s)
-stage() { echo "=== $1 at $(( $(date +%s) - T0 ))s"; }
+stage() { echo "=== $1 at $(( $(date +%s) - T0 ))s" | tee -a "$R/progress.log"; }
 fin() { tar czf "$OUT/results.tgz" -C "$R" . ; }
+# BUDGET_S: the device time this call may use (the device tool kills a call at its limit and then returns nothing that
+# is not already under $OUT). 20 s before it, pack what exists and stop every stage.
+if [ -n "${BUDGET_S:-}" ]; then
+  ( sleep $(( BUDGET_S - 20 )); echo "=== budget of ${BUDGET_S}s reached: packing and stopping" | tee -a "$R/progress.log"
+    fin; pkill -TERM -P $$ ; kill -TERM $$ ) &
+  WATCHDOG=$!
+fi
 STAGES="${*:-step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix}"
 M=models/tandem-demo-code
 for s in $STAGES; do
@@ -152,3 +160,5 @@ for s in $STAGES; do
   fin
 done
 stage done
+[ -n "${WATCHDOG:-}" ] && kill "$WATCHDOG" 2>/dev/null
+exit 0
