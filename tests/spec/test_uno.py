@@ -310,17 +310,17 @@ async def test_uno_with_repetition_penalty_and_logprobs_equals_hf(uno_pair, step
     """SGLang's UNO refuses penalties and logprobs; here the clean root is drawn with the request's processing and
     the rows below it are penalised for their path, so a penalised greedy run equals HF's, and every emitted token's
     logprob (the clean root's from the draft pass's clean row) equals HF's."""
-    from gateway.types import GenerateParams, RequestSampling
+    from gateway.types import GenerateParams, request_sampling
     from tests.test_logprobs import _close, _reference
 
     target, lora, hf = uno_pair
     prompt = [5, 9, 13, 2, 7, 11, 3]
     async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt) as scheduler:
-        params = GenerateParams("rp", prompt, 20, sampling=RequestSampling(temperature=0.0, repetition_penalty=1.3),
+        params = GenerateParams("rp", prompt, 20, sampling=request_sampling(temperature=0.0, repetition_penalty=1.3),
                                 detokenize=False)
         penalised = [t async for chunk in scheduler.generate(params) for t in chunk.token_ids]
-        params = GenerateParams("lp", prompt, 20, sampling=RequestSampling(temperature=0.0), detokenize=False,
+        params = GenerateParams("lp", prompt, 20, sampling=request_sampling(temperature=0.0), detokenize=False,
                                 logprobs=2)
         tokens, entries = [], []
         async for chunk in scheduler.generate(params):
@@ -340,7 +340,9 @@ def test_a_verify_that_does_not_build_on_the_draft_pass_rolls_its_root_kv_back(u
     step), a second draft pass, or a release leave the engine exactly as without it."""
     from runtime.sampling import SamplingParams
     from runtime.speculative.tree import DraftTree
-    from target_service.engine import PrefillInput, StopRule, TargetEngine, VerifyInput
+    from core.steps import PrefillInput, VerifyInput
+    from core.types import StopRule
+    from target_service.engine import TargetEngine
     from target_service.uno import attach_adapter
 
     target, lora, hf = uno_pair
