@@ -196,7 +196,7 @@ class DFlashProposer(Proposer):
         trees = {}
         for inp, chain in zip(group, drafts):
             chain = chain[:self.max_context_len - inp.committed_len]  # draft i sits at position C-1+i
-            trees[inp.seq_id] = DraftTree(chain, list(range(-1, len(chain) - 1)))
+            trees[inp.seq_id] = DraftTree.chain(chain)
         return trees
 
 

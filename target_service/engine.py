@@ -72,7 +72,9 @@ class TargetEngine:
         self._static_verify = None  # runtime.speculative.verify_step.StaticVerifyStep, see enable_static_verify
         self.draft_lora: list | None = None  # UNO: runtime.lora.LoRALinear wrappers of the draft rows' adapter
         self._pending: dict[str, PendingRoot] = {}  # UNO: sequences whose root KV the draft pass wrote
-        self._noise = torch.Generator(device=self.device)  # UNO's noise tokens (never a sequence's own stream)
+        # UNO's noise tokens (never a sequence's own stream), drawn on the host: they enter the forward as token ids,
+        # so a device draw would cost a readback per sequence per draft pass
+        self._noise = torch.Generator()
         self._noise.manual_seed(runner.engine_config.seed)
 
     def enable_static_verify(self, width: int, max_bs: int) -> bool:
@@ -339,7 +341,7 @@ class TargetEngine:
             if need > budget or len(seq.token_ids) + width > self.max_context_len:
                 continue
             budget -= need
-            noise = torch.randint(0, vocab, (width - 1,), generator=self._noise, device=self.device).tolist()
+            noise = torch.randint(0, vocab, (width - 1,), generator=self._noise).tolist()
             forwards.append(SeqForward(seq_id, [seq.token_ids[-1], *noise], logits="all"))
             segment_ids += [-1] + [0] * (width - 1)
             owners.append(i)

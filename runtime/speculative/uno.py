@@ -11,8 +11,8 @@ import heapq
 
 import torch
 
-from runtime.sampling import SamplingParams, process_logits
-from runtime.speculative.tree import ROOT, DraftTree
+from core.types import ROOT, DraftTree, SamplingParams
+from runtime.sampling import process_logits
 
 
 def draft_chain(root_token_id: int, draft_logits: torch.Tensor, sampling: SamplingParams | None,
@@ -31,7 +31,9 @@ def draft_chain(root_token_id: int, draft_logits: torch.Tensor, sampling: Sampli
     root = torch.zeros_like(q[:1])
     root[0, root_token_id] = 1.0
     probs = torch.cat([root, q])  # (F, V)
-    return DraftTree(*_chain_lists([root_token_id, *drafts]), draft_probs=probs)
+    tree = DraftTree.chain([root_token_id, *drafts])
+    tree.draft_probs = probs
+    return tree
 
 
 def draft_tree(root_token_id: int, draft_logits: torch.Tensor, topk: int, num_nodes: int,
@@ -66,7 +68,3 @@ def draft_tree(root_token_id: int, draft_logits: torch.Tensor, topk: int, num_no
         masses.append(-neg_mass)
         expand(len(tokens) - 1)
     return DraftTree(tokens, parents)
-
-
-def _chain_lists(token_ids: list[int]) -> tuple[list[int], list[int]]:
-    return list(token_ids), list(range(-1, len(token_ids) - 1))

@@ -33,23 +33,8 @@ def test_nextn_serves_the_targets_own_mtp_layer(tmp_path, num_mtp_layers):
     # two MTP layers and a chain of two steps: multi-layer EAGLE turns itself on (and reaches the draft service)
     assert args.enable_multi_layer_eagle == (num_mtp_layers == 2)
     assert ("--enable-multi-layer-eagle" in commands(args)["draft-0"]) == (num_mtp_layers == 2)
-    stack = Stack(*flags)
-    try:
-        stack.wait_ready()
-        client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(target)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
-        prompt = "def fibonacci(n):\n    "
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = hf.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0,
-                              attention_mask=torch.ones_like(ids))
-        resp = client.completions.create(model=target.name, prompt=prompt, max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True})
-        assert resp.choices[0].text == tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-        assert resp.usage.completion_tokens == 24
-    finally:
-        assert stack.stop() == 0
+    resp = _greedy_equals_hf(flags, target, "def fibonacci(n):\n    ", 24)
+    assert resp.usage.completion_tokens == 24
 
 
 @pytest.mark.parametrize("algorithm,shape", [
@@ -64,21 +49,27 @@ def test_the_bundled_target_serves_its_own_trained_mtp_layer_with_no_model_flags
     args = parser.parse_args(["serve", *flags])
     prepare(args, parser)
     assert args.speculative_draft_model_path == str(DEFAULT_MODEL)
+    resp = _greedy_equals_hf(flags, DEFAULT_MODEL, "import json\n\n\ndef load(path):\n    ", 48)
+    # tau well above 1: the trained layer drafts (random MTP weights would give about 1.0)
+    assert resp.usage.model_extra["spec"]["mean_accept_length"] > 1.5
+
+
+def _greedy_equals_hf(flags, model_path, prompt: str, max_tokens: int):
+    """`tandem serve *flags` as three processes: one greedy completion equals HF `generate` of model_path; returns
+    the completion."""
     stack = Stack(*flags)
     try:
         stack.wait_ready()
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
-        prompt = "import json\n\n\ndef load(path):\n    "
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = hf.generate(ids, do_sample=False, max_new_tokens=48, eos_token_id=None, pad_token_id=0,
+            out = hf.generate(ids, do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0,
                               attention_mask=torch.ones_like(ids))
-        resp = client.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=48, temperature=0,
+        resp = client.completions.create(model=model_path.name, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                          extra_body={"ignore_eos": True})
         assert resp.choices[0].text == tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
-        # tau well above 1: the trained layer drafts (random MTP weights would give about 1.0)
-        assert resp.usage.model_extra["spec"]["mean_accept_length"] > 1.5
+        return resp
     finally:
         assert stack.stop() == 0
