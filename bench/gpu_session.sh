@@ -130,8 +130,12 @@ for s in $STAGES; do
         --device cuda --batch-size 64 --seq-len 512 > "$R/mtp2_train.log" 2>&1 &
       timeout 190 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
         --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 2.5 --device cuda --batch-size 64 \
-        --seq-len 512 > "$R/dflash_train.log" 2>&1
+        --seq-len 512 > "$R/dflash_train.log" 2>&1 &
+      # the GPU lossless tests (UNO and the MTP cases never ran on a GPU) beside the two trainings (tiny models)
+      timeout -s INT 240 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
+        > "$R/lossless_gpu.log" 2>&1
       wait
+      grep -E "tau|passed|failed|FAILED|Error" "$R/lossless_gpu.log" | tail -14
       tail -2 "$R/dflash_train.log"; tail -1 "$R/mtp2_train.log"
       mkdir -p "$R/dflash" "$R/mtp2" && cp /tmp/demo-dflash/* "$R/dflash/"
       cp /tmp/demo-mtp2/config.json /tmp/demo-mtp2/model.safetensors.index.json /tmp/demo-mtp2/mtp.safetensors \

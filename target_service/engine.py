@@ -359,11 +359,16 @@ class TargetEngine:
         finally:
             self.runner.use_cuda_graph = graphs
         self.last_forward_ms = (time.perf_counter() - start) * 1e3
-        for i, sf, rows in zip(owners, forwards, result.logits):
+        seqs = [self._seqs[requests[i][0]] for i in owners]
+        # The clean roots: exactly plain decoding's draw (penalties, sampling, seed); the greedy ones without
+        # penalties are row 0's argmax, read back together (one copy for the batch, not one per sequence).
+        plain = [j for j, seq in enumerate(seqs) if seq.sampling.is_greedy and not seq.sampling.has_penalties]
+        roots = dict(zip(plain, torch.stack([result.logits[j][0] for j in plain]).argmax(dim=-1).tolist()
+                         if plain else []))
+        for j, (i, rows, seq) in enumerate(zip(owners, result.logits, seqs)):
             seq_id, committed_len, _ = requests[i]
-            seq = self._seqs[seq_id]
             self.runner.truncate(seq_id, committed_len)  # keep the seed's KV, drop the noise rows'
-            root = sample_rows(rows[:1], seq)[0]  # exactly plain decoding's draw (penalties, sampling, seed)
+            root = roots[j] if j in roots else sample_rows(rows[:1], seq)[0]
             self._pending[seq_id] = PendingRoot(committed_len, root, rows[0])
             results[i] = SelfDraft(root, rows[1:], seq)
         return results

@@ -10,13 +10,14 @@ draft for gets an empty tree (its Verify is a plain decode step).
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 from core import algorithms
 from core.steps import ProposeInput
 from draft_service.proposer import Proposer
 from runtime.lora import apply_adapter, load_adapter
 from core.types import DraftTree
-from runtime.speculative.uno import draft_chain, draft_tree
+from runtime.speculative.uno import draft_chain, draft_trees, greedy_chains
 from target_service.engine import TargetEngine
 
 
@@ -37,18 +38,28 @@ class UnoProposer(Proposer):
             # Linear: F = num_draft_tokens. Tree: F = num_steps + 1 rows, Q = num_draft_tokens nodes.
             width = spec.num_draft_tokens if spec.topk == 1 else spec.num_steps + 1
             requests.append((inp.seq_id, inp.committed_len, width))
-        trees = []
-        for inp, drafted in zip(inputs, self.engine.self_draft(requests)):
+        trees: list[DraftTree] = [DraftTree([], [])] * len(inputs)  # a sequence not drafted: a plain decode step
+        # Greedy chains together (one readback), trees per shape together (one readback each), sampled chains alone
+        # (each draws from its sequence's own stream).
+        chains, shaped = [], defaultdict(list)
+        for i, (inp, drafted) in enumerate(zip(inputs, self.engine.self_draft(requests))):
             if drafted is None:
-                trees.append(DraftTree([], []))
                 continue
             sampling = drafted.seq.sampling
-            if inp.spec.topk == 1:
-                trees.append(draft_chain(drafted.root_token_id, drafted.draft_logits, sampling,
-                                         drafted.seq.generator))
+            if inp.spec.topk > 1:
+                shaped[inp.spec.topk, inp.spec.num_draft_tokens].append((i, drafted))
+            elif sampling.is_greedy:
+                chains.append((i, drafted))
             else:
-                trees.append(draft_tree(drafted.root_token_id, drafted.draft_logits, inp.spec.topk,
-                                        inp.spec.num_draft_tokens, 0.0 if sampling.is_greedy else sampling.temperature))
+                trees[i] = draft_chain(drafted.root_token_id, drafted.draft_logits, sampling, drafted.seq.generator)
+        for (i, _), tree in zip(chains, greedy_chains([d.root_token_id for _, d in chains],
+                                                      [d.draft_logits for _, d in chains])):
+            trees[i] = tree
+        for (topk, num_nodes), group in shaped.items():
+            temps = [0.0 if d.seq.sampling.is_greedy else d.seq.sampling.temperature for _, d in group]
+            for (i, _), tree in zip(group, draft_trees([d.root_token_id for _, d in group],
+                                                       [d.draft_logits for _, d in group], topk, num_nodes, temps)):
+                trees[i] = tree
         return trees
 
     def memory(self) -> tuple[int, int]:

@@ -36,6 +36,42 @@ def draft_chain(root_token_id: int, draft_logits: torch.Tensor, sampling: Sampli
     return tree
 
 
+def greedy_chains(roots: list[int], draft_logits: list[torch.Tensor]) -> list[DraftTree]:
+    """Linear mode for greedy sequences, batched: [clean root, argmax of each row] per sequence, one argmax and one
+    readback for all of them (`draft_chain` per sequence would read back once each)."""
+    if not roots:
+        return []
+    lengths = [rows.shape[0] for rows in draft_logits]
+    flat = torch.cat(draft_logits).argmax(dim=-1).tolist() if sum(lengths) else []
+    chains, start = [], 0
+    for root, n in zip(roots, lengths):
+        chains.append(DraftTree.chain([root, *flat[start:start + n]]))
+        start += n
+    return chains
+
+
+def draft_trees(roots: list[int], draft_logits: list[torch.Tensor], topk: int, num_nodes: int,
+                temperatures: list[float]) -> list[DraftTree]:
+    """Tree mode for a batch of sequences of one shape: each row's top-`topk` K log-probabilities (temperature-scaled,
+    normalised over the full vocabulary) for all sequences in one top-k and one readback, then each sequence's
+    best-first tree (`draft_tree`)."""
+    if not roots:
+        return []
+    lengths = [rows.shape[0] for rows in draft_logits]
+    if not sum(lengths):
+        return [DraftTree.chain([root]) for root in roots]
+    scales = torch.cat([torch.full((n, 1), t if t > 0 else 1.0) for n, t in zip(lengths, temperatures)])
+    rows = torch.cat(draft_logits).float()
+    logprobs = torch.log_softmax(rows / scales.to(rows.device), dim=-1)  # (sum F - 1, V)
+    k = min(topk, logprobs.shape[-1])
+    top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    trees, start = [], 0
+    for root, n in zip(roots, lengths):
+        trees.append(_best_first(root, top_lp[start:start + n], top_ids[start:start + n], num_nodes))
+        start += n
+    return trees
+
+
 def draft_tree(root_token_id: int, draft_logits: torch.Tensor, topk: int, num_nodes: int,
                temperature: float = 1.0) -> DraftTree:
     """Tree mode: a fixed-size tree of `num_nodes` Q nodes (the clean root included) chosen best-first over summed
@@ -43,11 +79,13 @@ def draft_tree(root_token_id: int, draft_logits: torch.Tensor, topk: int, num_no
     whose log-probabilities are temperature-scaled and normalised over the full vocabulary. Ties break as SGLang's
     builder does: shallower depth, lower rank, lower token id, lower parent. Nodes come out in selection order, so
     parents precede children and siblings are listed best first."""
-    depth_max = draft_logits.shape[0]
-    scale = temperature if temperature > 0 else 1.0
-    logprobs = torch.log_softmax(draft_logits.float() / scale, dim=-1)  # (F - 1, V)
-    k = min(topk, logprobs.shape[-1])
-    top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))  # (F - 1, K) each, best first
+    return draft_trees([root_token_id], [draft_logits], topk, num_nodes, [temperature])[0]
+
+
+def _best_first(root_token_id: int, top_lp: list[list[float]], top_ids: list[list[int]], num_nodes: int
+                ) -> DraftTree:
+    """The best-first tree over per-depth top-K lists (row d: the candidates at depth d + 1, best first)."""
+    depth_max, k = len(top_lp), len(top_lp[0]) if top_lp else 0
     tokens, parents, depths, masses = [root_token_id], [ROOT], [0], [0.0]
     frontier: list[tuple[float, int, int, int, int]] = []  # (-mass, child depth, rank, token, parent node)
 

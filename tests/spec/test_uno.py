@@ -3,6 +3,8 @@ validation messages, and greedy output equal to HF transformers' greedy `generat
 (target server that also serves DraftService, the gateway scheduler and its clients), linear and tree mode."""
 from __future__ import annotations
 
+import asyncio
+
 import argparse
 import dataclasses
 
@@ -245,6 +247,24 @@ async def test_uno_greedy_matches_hf_generate(uno_pair, steps, topk, ndt):
         assert engine.num_seqs == 0 and not engine._pending
         runner = scheduler.test_target_runner
         assert runner.num_free_tokens() == runner.num_total_tokens(), "KV leaked"
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 4), (3, 3, 7)], ids=["linear-4", "tree"])
+async def test_concurrent_uno_requests_batch_their_draft_pass_and_match_hf(uno_pair, steps, topk, ndt):
+    """Requests in flight together share one draft pass per step (their clean roots, chains and trees read back
+    together); a repetition-penalty request among them takes its own root draw. Every output is HF's."""
+    target, lora, hf = uno_pair
+    gen = torch.Generator().manual_seed(11)
+    rand = torch.randint(3, hf.config.vocab_size, (60,), generator=gen).tolist()
+    prompts = [rand[:7], rand[10:31], rand[:4] * 5, rand[40:52]]
+    async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt) as scheduler:
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 24, request_id=f"c{i}")
+                                         for i, p in enumerate(prompts)))
+        assert scheduler.test_engine.num_seqs == 0 and not scheduler.test_engine._pending
+    for i, (prompt, (got, usage, _)) in enumerate(zip(prompts, results)):
+        assert got == hf_greedy(hf, prompt, 24), f"prompt {i}: batched UNO output diverged from HF greedy"
+        assert usage.accepted_draft_tokens > 0
 
 
 # ---------------------------------------------------------------- trainer
