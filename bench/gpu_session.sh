@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: step_tests overlap adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap overlap2 adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -87,6 +87,20 @@ for s in $STAGES; do
         --max-new-tokens 128 --shapes tree --out "$R/overlap_eagle3.json" -- --device cuda --cuda-graph-max-bs 32 \
         > "$R/overlap.log" 2>&1
       tail -9 "$R/overlap.log" ;;
+    overlap2)  # the two-GPU machine (nvidia-h200-x2): draft pods on GPU 1, target on GPU 0 -- ping-pong halves
+      # (default: measured per batch size) vs --disable-overlap-schedule, the demo family through tandem serve, then
+      # 8B SYNTHETIC through the services
+      timeout 200 python3 bench/overlap.py --algorithm EAGLE3 --batch-sizes 32 8 1 --num-prompts 32 \
+        --max-new-tokens 128 --shapes tree --out "$R/overlap2_eagle3.json" -- --device cuda --base-gpu-id 0 \
+        --draft-base-gpu-id 1 --cuda-graph-max-bs 32 > "$R/overlap2.log" 2>&1
+      tail -9 "$R/overlap2.log"
+      for mode in default sequential; do
+        extra=""; [ $mode = sequential ] && extra="--gateway-args=--disable-overlap-schedule"
+        timeout 170 python3 bench/speculative.py --mode services --device cuda:0 --draft-device cuda:1 \
+          --margin-weights --batch-sizes 32 1 --configs 6/4/16@5 --max-new-tokens 96 $extra \
+          --out-dir "$R/spec_services_2gpu_$mode" > "$R/spec_services_2gpu_$mode.log" 2>&1
+        cat "$R/spec_services_2gpu_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_2gpu_$mode.log"
+      done ;;
     adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size
       timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive \
         --batch-sizes 1 8 32 64 --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1

@@ -14,6 +14,8 @@ Writes results.json, results.md and speculative.png under --out-dir.
 
     python bench/speculative.py --out-dir $OUT/spec_inproc                               # H200, 8B shapes
     python bench/speculative.py --mode services --out-dir $OUT/spec_services             # H200, 3 processes
+    python bench/speculative.py --mode services --draft-device cuda:1 --gateway-args=--disable-overlap-schedule
+                                                                              # 2 GPUs, the sequential loop (A/B)
     python bench/speculative.py --tiny --device cpu --batch-sizes 1 --max-new-tokens 16  # CPU smoke
 """
 from __future__ import annotations
@@ -329,6 +331,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "--disable-static-verify-step there); both = one row each, same run")
     p.add_argument("--adaptive", action="store_true",
                    help="services mode: --speculative-adaptive (chain configs only: draft steps per batch size)")
+    p.add_argument("--draft-device", default=None,
+                   help="services mode: the draft service's device (default: --device), e.g. cuda:1 for draft and "
+                        "target on separate GPUs")
+    p.add_argument("--gateway-args", default="",
+                   help="services mode: extra flags of the speculative gateway, one string (e.g. "
+                        "'--disable-overlap-schedule' for the overlap A/B)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--configs", type=SpecConfig.parse, nargs="+", default=None,
                    help="STEPS/TOPK/NDT@TAU each (default: 5/1/6@3.5 8/8/60@6)")
@@ -356,7 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
               "model": "tiny-llama" if args.tiny else "Llama-3.1-8B", "dtype": args.dtype,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
-              "configs": [dataclasses.asdict(c) for c in configs], "batch_sizes": args.batch_sizes}
+              "configs": [dataclasses.asdict(c) for c in configs], "batch_sizes": args.batch_sizes,
+              "draft_device": args.draft_device or args.device, "gateway_args": args.gateway_args}
     print(LABEL, flush=True)
     if args.mode == "inprocess":
         result["rows"] = bench_inprocess(args, cfg, device, configs)

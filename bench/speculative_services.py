@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -91,7 +92,8 @@ class Stack:
             target.append("--disable-cuda-graph")
         if args.margin_weights:
             target.append("--synthetic-margin-weights")
-        draft = ["draft", *model, *spec, "--service-port", str(p["draft"]), "--metrics-port", str(p["draft_m"]),
+        draft_model = [*model[:4], "--device", args.draft_device or args.device, *model[6:]]
+        draft = ["draft", *draft_model, *spec, "--service-port", str(p["draft"]), "--metrics-port", str(p["draft_m"]),
                  "--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
                  "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
         if args.head_hidden is not None:
@@ -106,7 +108,8 @@ class Stack:
                    "--max-running-requests", str(max_bs), "--log-level", "warning"]
         for name, cmd in (("target", target), ("draft", draft),
                           ("gateway-ar", [*gateway, "--grpc-port", str(p["ar"]), "--port", str(p["ar_http"])]),
-                          ("gateway-spec", [*gateway, *spec, "--draft-address", f"127.0.0.1:{p['draft']}",
+                          ("gateway-spec", [*gateway, *spec, *shlex.split(args.gateway_args or ""),
+                                            "--draft-address", f"127.0.0.1:{p['draft']}",
                                             "--grpc-port", str(p["spec"]), "--port", str(p["spec_http"])])):
             log = log_dir / f"{name}-{config.steps}-{config.topk}-{config.ndt}.log"
             self.logs.append(log)
