@@ -68,6 +68,9 @@ CONFIGS = {
     # DFLASH: no bundled draft (models/ would pass 30 MB); bench/gpu_session.sh trains one into /tmp/demo-dflash
     "DFLASH": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/tmp/demo-dflash"],
 }
+# Pre-drafting (--enable-overlap-drafting): the draft drafts step i+1 from a guess while step i verifies (A/B)
+CONFIGS.update({f"{name}-predraft": [*CONFIGS[name], "--enable-overlap-drafting"]
+                for name in ("EAGLE3-chain", "EAGLE3-tree", "NEXTN-chain", "STANDALONE-chain")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: step_tests overlap overlap2 adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -100,6 +100,19 @@ for s in $STAGES; do
           --margin-weights --batch-sizes 32 1 --configs 6/4/16@5 --max-new-tokens 96 $extra \
           --out-dir "$R/spec_services_2gpu_$mode" > "$R/spec_services_2gpu_$mode.log" 2>&1
         cat "$R/spec_services_2gpu_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_2gpu_$mode.log"
+      done ;;
+    predraft)  # pre-drafting (--enable-overlap-drafting) vs the sequential loop, draft and target on one GPU: the
+      # demo family through tandem serve, then 8B SYNTHETIC through the services
+      timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-predraft EAGLE3-chain EAGLE3-chain-predraft NEXTN-chain-predraft --out "$R/accept_predraft.json" \
+        -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_predraft.log" 2>&1
+      tail -8 "$R/accept_predraft.log"
+      for mode in sequential predraft; do
+        extra=""; [ $mode = predraft ] && extra="--gateway-args=--enable-overlap-drafting"
+        timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+          --configs 5/1/6@3.5 6/4/16@5 --max-new-tokens 128 $extra --out-dir "$R/spec_services_$mode" \
+          > "$R/spec_services_$mode.log" 2>&1
+        cat "$R/spec_services_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_$mode.log"
       done ;;
     adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size
       timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive \

@@ -373,13 +373,13 @@ register(SpeculativeAlgorithm(
 
 register(SpeculativeAlgorithm(
     "EAGLE", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
-    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    supports_adaptive=True, supports_overlap=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
     token_map_ignored=None, mtp_draft="default",
     proposer="draft_service.eagle:build"))
 
 register(SpeculativeAlgorithm(
     "EAGLE3", target_features=TargetFeatures.AUX_LAYERS, tree_default_architectures=_TREE_TARGETS,
-    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    supports_adaptive=True, supports_overlap=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
     bundled_draft="tandem-demo-code-eagle3",
     token_map_ignored="an EAGLE-3 head carries its own d2t map", proposer="draft_service.eagle:build"))
 
@@ -388,7 +388,7 @@ register(SpeculativeAlgorithm(
 # drafts with an EAGLE-2 head (--speculative-draft-model-path), as SGLang's NEXTN does.
 register(SpeculativeAlgorithm(
     "NEXTN", target_features=TargetFeatures.FINAL_HIDDEN, tree_default_architectures=_TREE_TARGETS,
-    supports_adaptive=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
+    supports_adaptive=True, supports_overlap=True, supports_rejection_sampling=True, draft_model=DraftModel.HEAD,
     token_map_ignored=None, mtp_draft="always",
     proposer="draft_service.eagle:build"))
 
@@ -396,6 +396,7 @@ register(SpeculativeAlgorithm(
 # spending an EAGLE-3-sized head's compute; it takes an EAGLE-3 head's shapes.
 register(SpeculativeAlgorithm(
     "SYNTHETIC", benchmark_only=True, tree_default_architectures=_TREE_TARGETS, supports_adaptive=True,
+    supports_overlap=True,
     draft_model=DraftModel.BUILT_IN, proposer="draft_service.synthetic:build", flags=(
         AlgorithmFlag("--synthetic-oracle", "SYNTHETIC (synthetic acceptance, benchmarks only): JSON of each prompt's "
                       "target greedy continuation, written by bench/speculative.py's reference AR run"),

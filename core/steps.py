@@ -93,7 +93,10 @@ class ProposeInput:
     # (len(new_token_ids), F) for feature drafts (EAGLE): row i is the target feature of the token just before
     # new_token_ids[i]. None for proposers that need only token ids.
     features: Features | None = None
-    append_guess: bool = False  # pre-draft: append the proposer's greedy next token, draft from it
+    # Pre-draft: append the proposer's greedy next token, draft from it. The new tokens then end with the guessed
+    # path (tokens still being verified); a feature draft gets rows for the committed ones only (the first
+    # rows(features) new tokens) and stands in its own hidden states for the guessed path's.
+    append_guess: bool = False
     # The request's sampling (temperature/top-k/top-p; sampled requests only): a proposer doing p/q rejection
     # sampling (--speculative-use-rejection-sampling) samples its chain from it and returns the distributions.
     sampling: SamplingParams | None = None

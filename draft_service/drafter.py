@@ -67,7 +67,8 @@ class ModelDrafter(Proposer):
             return None
         bm, lag = self.runner.block_manager, self.kv_lag
         items = [CatchUp(self._tokens[inp.seq_id][start + lag:end + lag], start, bm.slots(inp.seq_id, start, end),
-                         bm.block_table(inp.seq_id), self._catch_up_features(inp, start, end))
+                         bm.block_table(inp.seq_id), self._catch_up_features(inp, start, end),
+                         self._catch_up_own(inp, start, end))
                  for inp, start, end in plans]
         trees = step.propose(items)
         for inp, _, end in plans:  # the catch-up is committed, the tree nodes were scratch
@@ -86,6 +87,11 @@ class ModelDrafter(Proposer):
 
     def _catch_up_features(self, inp: ProposeInput, start: int, end: int):
         """(end - start, F) raw features of the catch-up positions for feature heads; None for token-only drafts."""
+        return None
+
+    def _catch_up_own(self, inp: ProposeInput, start: int, end: int) -> dict[int, object] | None:
+        """Catch-up rows (index from `start`) whose input is the draft's own recurrent hidden, not a target feature
+        (feature heads during a pre-draft); None = none."""
         return None
 
     def _caught_up(self, inp: ProposeInput) -> None:

@@ -88,6 +88,9 @@ class EagleProposer(ModelDrafter):
         self.max_context_len = config.max_position_embeddings
         self._feats: dict[str, torch.Tensor] = {}  # raw target features for draft positions [feat_start, C-1)
         self._feat_start: dict[str, int] = {}
+        # Pre-drafts: draft positions whose feature is the head's own recurrent hidden (position -> (H,) on the
+        # draft's device), standing in for target features of guessed tokens; their _feats rows are placeholders.
+        self._own: dict[str, dict[int, torch.Tensor]] = {}
         # Features kept after a Propose: the window of the next one starts this many positions before C-1.
         self._feature_tail = max(1, multi_layer_steps)
 
@@ -103,6 +106,9 @@ class EagleProposer(ModelDrafter):
         pos = max(kept_len - 1, 0)
         if self.runner.kv_len(seq_id) > pos:
             self.runner.truncate(seq_id, pos)
+        own = self._own.get(seq_id)
+        if own:
+            self._own[seq_id] = {p: row for p, row in own.items() if p < pos}
         start = self._feat_start[seq_id]
         keep = max(0, pos - start)
         self._feats[seq_id] = self._feats[seq_id][:keep]
@@ -128,6 +134,7 @@ class EagleProposer(ModelDrafter):
         super()._on_release(seq_id)
         self._feats.pop(seq_id, None)
         self._feat_start.pop(seq_id, None)
+        self._own.pop(seq_id, None)
         self._generators.pop(seq_id, None)
 
     # ---- drafting: the ModelDrafter skeleton's hooks -----------------------------------------------------------------
@@ -149,8 +156,48 @@ class EagleProposer(ModelDrafter):
     def _catch_up_features(self, inp: ProposeInput, start: int, end: int) -> torch.Tensor:
         return self._feats[inp.seq_id][start - self._feat_start[inp.seq_id]:]  # (end - start, F)
 
+    def _catch_up_own(self, inp: ProposeInput, start: int, end: int) -> dict[int, torch.Tensor] | None:
+        own = self._own.get(inp.seq_id)
+        if not own:
+            return None
+        return {p - start: row for p, row in own.items() if start <= p < end} or None
+
     def _caught_up(self, inp: ProposeInput) -> None:
         self._keep_feature_tail(inp)
+
+    # ---- pre-drafts (overlapped drafting) -------------------------------------------------------------------------
+    def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
+        """Pre-drafts: the committed tokens are caught up as usual; then the head runs over each sequence's guessed
+        path (`_guess_tails`, tokens the target is still verifying) one position at a time, each fed the previous
+        position's recurrent hidden where the target feature would be (as the tree steps do), and its top-1 after
+        the path is the guessed bonus. Those hiddens stand in for the path's features (`_own`) until a rollback drops
+        them. One readback for the batch. Multi-layer EAGLE and sampled chains do not pre-draft."""
+        tails = {inp.seq_id: self._guess_tails.get(inp.seq_id, []) for inp in inputs}
+        active = [inp for inp in inputs if tails[inp.seq_id] and not self.multi_layer_steps
+                  and not self._samples(inp) and self._fits(replace(
+                      inp, committed_len=inp.committed_len + len(tails[inp.seq_id]) + 1))]
+        if not active:
+            return {}
+        roots = self._catch_up(active)  # KV [0, C-1); (logits, hidden) at the root's position C-2
+        hidden = {seq_id: h.clone() for seq_id, (_, h) in roots.items()}  # kept past the next graph replay
+        top = {}  # each sequence's head top-1 after its path (draft ids, on the device)
+        for inp in active:  # own features of the path's positions C-1 .. C+k-1 start with the root's output
+            self._own.setdefault(inp.seq_id, {})[inp.committed_len - 1] = hidden[inp.seq_id]
+        for j in range(max(len(tails[inp.seq_id]) for inp in active)):
+            group = [inp for inp in active if len(tails[inp.seq_id]) > j]
+            forwards = [SeqForward(inp.seq_id, [tails[inp.seq_id][j]], logits="last", capture_hidden=True,
+                                   input_features=hidden[inp.seq_id].unsqueeze(0)) for inp in group]
+            out = self.runner.forward(forwards)  # appends position C-1+j (token p_{j+1}, the previous hidden)
+            for inp, logits, h in zip(group, out.logits, out.hidden):
+                hidden[inp.seq_id], top[inp.seq_id] = h[-1].clone(), logits[-1].argmax(dim=-1)
+                self._own[inp.seq_id][inp.committed_len + j] = h[-1]  # stands in for f of p_{j+1}
+        guesses = self._to_target(torch.stack([top[inp.seq_id] for inp in active])).tolist()
+        for inp in active:  # the path is now the sequence's (speculative) state, placeholders keep _feats aligned
+            path = tails[inp.seq_id]
+            self._tokens[inp.seq_id].extend(path)
+            feats = self._feats[inp.seq_id]
+            self._feats[inp.seq_id] = torch.cat([feats, feats.new_zeros(len(path) + 1, self.feature_size)])
+        return {inp.seq_id: g for inp, g in zip(active, guesses)}
 
     def _new_static_step(self, spec: SpecShape, max_bs: int):
         if not self.multi_layer_steps:
@@ -173,7 +220,10 @@ class EagleProposer(ModelDrafter):
         """After a Propose: keep the features the next one re-runs (the last S, or f_{C-2} alone)."""
         rows = self._feats[inp.seq_id][-self._feature_tail:]
         self._feats[inp.seq_id] = rows
-        self._feat_start[inp.seq_id] = inp.committed_len - 1 - rows.shape[0]
+        start = self._feat_start[inp.seq_id] = inp.committed_len - 1 - rows.shape[0]
+        own = self._own.get(inp.seq_id)
+        if own:  # no catch-up starts before the kept features: own hiddens there are never read again
+            self._own[inp.seq_id] = {p: row for p, row in own.items() if p >= start}
 
     def _draft_layer_chain(self, inputs: list[ProposeInput]) -> dict[str, DraftTree]:
         """Multi-layer EAGLE, eagerly: MTP layer s over each sequence's window [W, C-1) for s = 0..S-1, one forward
@@ -256,7 +306,14 @@ class EagleProposer(ModelDrafter):
             plans.append((seq_id, self._tokens[seq_id][first + 1 : committed_len], rows))
         device, dtype = self.runner.device, self.runner.dtype
         raw = torch.cat([rows.to(device, dtype) for _, _, rows in plans])
-        projected = self.model.project_features(raw).split([len(rows) for _, _, rows in plans])  # (T_i, H) each
+        projected = list(self.model.project_features(raw).split([len(rows) for _, _, rows in plans]))  # (T_i, H)
+        for i, inp in enumerate(inputs):  # a pre-draft's guessed positions: the head's own hidden, as it is
+            first = inp.committed_len - 1 - len(plans[i][2])
+            own = self._catch_up_own(inp, first, inp.committed_len - 1)
+            if own:
+                projected[i] = projected[i].clone()
+                for r, row in own.items():
+                    projected[i][r] = row
         forwards = [
             SeqForward(seq_id, tokens, logits="last", capture_hidden=True, input_features=feats)
             for (seq_id, tokens, _), feats in zip(plans, projected)

@@ -7,7 +7,9 @@ answers STALE when it knows too little to do so. It never decides what is commit
 
 A pre-draft (`append_guess`, overlapped drafting) extends the sequence by the gateway's guess of the accepted tokens
 plus the proposer's own greedy next token, and drafts from there; that hypothetical tail is ordinary speculative
-state, dropped by the next Propose's rollback when the guess was wrong.
+state, dropped by the next Propose's rollback when the guess was wrong. A feature draft gets the target's features of
+the committed tokens only (the guessed path is still being verified): `_guess_next` runs its head over the path with
+its own hidden states in their place (`_guess_tails` holds each sequence's path until then).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Proposer(abc.ABC):
     def __init__(self) -> None:
         self._tokens: dict[str, list[int]] = {}
         self._static_steps: dict[SpecShape, object] = {}  # SpecShape -> runtime.speculative.draft_step step
+        self._guess_tails: dict[str, list[int]] = {}  # feature pre-drafts: the guessed path, for _guess_next
 
     def enable_static_step(self, spec: SpecShape, max_bs: int) -> bool:
         """Propose batches of this shape through runtime/speculative/draft_step.py: the whole Propose as static device
@@ -101,7 +104,13 @@ class Proposer(abc.ABC):
             outputs.append(out)
             tokens = self._tokens.get(inp.seq_id)
             start = inp.committed_len - len(inp.new_token_ids)
-            if self.needs_features and not _rows_ok(inp.features, len(inp.new_token_ids), self._feature_width):
+            known = len(inp.new_token_ids)  # new tokens the target committed (a feature pre-draft: the rows sent)
+            if self.needs_features and inp.append_guess:
+                known = 0 if inp.features is None else inp.features.shape[0]
+                if not 0 <= known < len(inp.new_token_ids):
+                    out.status, out.error = Status.INVALID, "a pre-draft needs a guessed path after the feature rows"
+                    continue
+            if self.needs_features and not _rows_ok(inp.features, known, self._feature_width):
                 width = self._feature_width or "F"
                 out.status, out.error = Status.INVALID, f"features must be (len(new_token_ids), {width})"
                 continue
@@ -109,15 +118,19 @@ class Proposer(abc.ABC):
                 out.status, out.error = Status.STALE, "unknown sequence or committed tokens missing"
                 continue
             del tokens[start:]
-            tokens.extend(inp.new_token_ids)
+            tokens.extend(inp.new_token_ids[:known])
             try:
                 self._on_rollback(inp.seq_id, start)
             except StaleSequence as exc:  # the proposer cannot rebuild its state from here: the gateway re-syncs
                 self.release([inp.seq_id])
                 out.status, out.error = Status.STALE, str(exc)
                 continue
-            if self.needs_features and inp.new_token_ids:
+            if self.needs_features and known:
                 self._on_features(inp.seq_id, inp.features)
+            if known < len(inp.new_token_ids):  # the committed part as the input; the path waits for _guess_next
+                self._guess_tails[inp.seq_id] = inp.new_token_ids[known:]
+                inp = ProposeInput(inp.seq_id, start + known, inp.new_token_ids[:known], inp.spec, inp.features,
+                                   True, inp.sampling)
             ready.append(inp)
         ready = self._append_guesses(ready, {o.seq_id: o for o in outputs})
         trees = self._draft(ready) if ready else []
@@ -157,7 +170,10 @@ class Proposer(abc.ABC):
         guess_inputs = [inp for inp in ready if inp.append_guess]
         if not guess_inputs:
             return ready
-        guesses = self._guess_next(guess_inputs)
+        try:
+            guesses = self._guess_next(guess_inputs)
+        finally:
+            self._guess_tails.clear()
         kept = []
         for inp in ready:
             if not inp.append_guess:
@@ -168,10 +184,12 @@ class Proposer(abc.ABC):
             if token is None:
                 out.status, out.error = Status.INVALID, f"{self.algorithm} cannot pre-draft this sequence"
                 continue
-            self._tokens[inp.seq_id].append(token)
+            tokens = self._tokens[inp.seq_id]  # a feature draft's _guess_next appended the guessed path
+            tokens.append(token)
             out.guessed_token_ids = [token]
-            out.base_committed_len = inp.committed_len + 1
-            kept.append(ProposeInput(inp.seq_id, inp.committed_len + 1, [*inp.new_token_ids, token], inp.spec))
+            out.base_committed_len = len(tokens)
+            start = inp.committed_len - len(inp.new_token_ids)  # where this Propose's new tokens began
+            kept.append(ProposeInput(inp.seq_id, len(tokens), tokens[start:], inp.spec, sampling=inp.sampling))
         return kept
 
     @property
@@ -188,7 +206,8 @@ class Proposer(abc.ABC):
         return self.runner.kv_len(seq_id) if self.runner.has_seq(seq_id) else 0
 
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
-        """The proposer's greedy next token after each sequence's tokens (pre-drafts); absent = cannot guess."""
+        """The proposer's greedy next token after each sequence's tokens (pre-drafts); absent = cannot guess. A
+        feature draft first appends each sequence's guessed path (`_guess_tails`) to its tokens and state."""
         return {}
 
     def _on_prefill(self, seq_id: str) -> None:

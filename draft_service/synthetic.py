@@ -332,6 +332,21 @@ class SyntheticProposer(Proposer):
         if self.head is not None:
             self.head.release([seq_id])
 
+    def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
+        """Pre-drafts: the draft's own next token after the guessed path, i.e. what its spine would hold there (the
+        oracle's token where the keep stream keeps it, a wrong one otherwise). The head's compute follows in _draft
+        (its catch-up runs over the guessed path and this token)."""
+        guesses = {}
+        for inp in inputs:
+            tokens, state = self._tokens[inp.seq_id], self._seq[inp.seq_id]
+            length, full = len(tokens), self._follows_oracle(inp.seq_id)
+            truth = full[length] if full is not None and length < len(full) else -1
+            guess = (truth + 1 + (_mix(length) + state.key) % (self.vocab_size - 1)) % self.vocab_size
+            if truth >= 0 and self._kept(state, length):
+                guess = truth
+            guesses[inp.seq_id] = guess
+        return guesses
+
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
             self.head.propose(inputs)
@@ -348,14 +363,7 @@ class SyntheticProposer(Proposer):
         tokens = self._tokens[inp.seq_id]
         state = self._seq[inp.seq_id]
         length = len(tokens)
-        full = state.full
-        if full is not None and state.checked < length:
-            if length > len(full) or tokens[state.checked:] != full[state.checked:length]:
-                # The target's tokens left the oracle's (numerics), or ran past it: wrong tokens from here.
-                self.stats["diverged_seqs" if length <= len(full) else "exhausted_seqs"] += 1
-                state.full = full = None
-            else:
-                state.checked = length
+        full = self._follows_oracle(inp.seq_id)
         self.stats["proposals"] += 1
         n = 0
         if full is not None:
@@ -364,15 +372,31 @@ class SyntheticProposer(Proposer):
         vocab, key = self.vocab_size, state.key
         truths = [full[length + d] if length + d < n else -1 for d in shape.depths]
         out = [(t + 1 + (o + key) % (vocab - 1)) % vocab for t, o in zip(truths, shape.offsets)]  # never the truth
-        keep, rng, rate = state.keep, state.rng, self.accept_rate
         for i in shape.spine_nodes:
-            pos = length + shape.depths[i]
-            if truths[i] >= 0:
-                while len(keep) <= pos:
-                    keep.append(rng.random() < rate)
-                if keep[pos]:
-                    out[i] = truths[i]
+            if truths[i] >= 0 and self._kept(state, length + shape.depths[i]):
+                out[i] = truths[i]
         return DraftTree(out, list(shape.parents))
+
+    def _follows_oracle(self, seq_id: str) -> list[int] | None:
+        """The sequence's oracle (prompt + continuation) while its tokens still follow it; None from the first token
+        that left it (numerics) or ran past its end."""
+        tokens, state = self._tokens[seq_id], self._seq[seq_id]
+        length, full = len(tokens), state.full
+        if full is not None and state.checked < length:
+            if length > len(full) or tokens[state.checked:] != full[state.checked:length]:
+                # The target's tokens left the oracle's (numerics), or ran past it: wrong tokens from here.
+                self.stats["diverged_seqs" if length <= len(full) else "exhausted_seqs"] += 1
+                state.full = full = None
+            else:
+                state.checked = length
+        return full
+
+    def _kept(self, state: _SeqOracle, pos: int) -> bool:
+        """Whether the draft has the oracle token at absolute position pos right (the seeded keep stream)."""
+        keep = state.keep
+        while len(keep) <= pos:
+            keep.append(state.rng.random() < self.accept_rate)
+        return keep[pos]
 
 
 def build(build) -> tuple[SyntheticProposer, str]:

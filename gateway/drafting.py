@@ -136,8 +136,7 @@ class Drafting:
     # ---------------------------------------------------------------- overlapped drafting
     @property
     def overlap_enabled(self) -> bool:
-        # Only proposers that guess (draft_service Proposer._guess_next; STANDALONE); feature drafts would also need
-        # the target features of the guessed tokens, which exist only after the verify.
+        # Only proposers that guess (draft_service Proposer._guess_next: STANDALONE, the EAGLE family, SYNTHETIC).
         return self.enable_overlap and self.spec.entry.supports_overlap and len(self.pool) > 0
 
     def take_predrafts(self, seqs: list[Sequence]) -> dict[str, DraftTree]:
@@ -149,7 +148,10 @@ class Drafting:
                 continue
             if predraft.pod is seq.draft and not self.pool.is_down(predraft.pod) and predraft.matches(seq.committed):
                 seq.predraft_hits += 1
-                seq.draft_synced_len = predraft.base_len  # the draft's guessed tail is now committed
+                # The draft's guessed tail is now committed (a feature draft keeps the KV it built on its own hidden
+                # states there: re-sending the target's features measured +0.1 tau on the demo chain, not worth a
+                # catch-up past the static step's window)
+                seq.draft_synced_len = predraft.base_len
                 trees[seq.seq_id] = predraft.tree
             else:
                 seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
@@ -164,8 +166,11 @@ class Drafting:
                 continue
             path = _first_child_path(tree)
             committed_len = len(seq.committed)
+            # A feature draft gets the rows of the committed tokens only; it stands in its own hidden states for the
+            # guessed path's (their target features come with this step's Verify).
             item = ProposeInput(seq.seq_id, committed_len + len(path), [*seq.committed[seq.draft_synced_len:], *path],
-                                self.spec.shape, append_guess=True)
+                                self.spec.shape, self.features(seq, seq.draft_synced_len - 1), append_guess=True,
+                                sampling=_sampled(seq))
             by_pod[seq.draft].append((seq, committed_len, path, item))
         return by_pod
 

@@ -133,6 +133,10 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         overlap = " / ".join(algorithms.names(lambda a: a.supports_overlap))
         notes.append(f"--enable-overlap-drafting is ignored for {_algo(entry)}: only {overlap} drafts pre-draft "
                      "the next step")
+    if getattr(args, "enable_multi_layer_eagle", False) and getattr(args, "enable_overlap_drafting", False):
+        notes.append("--enable-overlap-drafting is ignored with multi-layer EAGLE: each MTP layer drafts one step of "
+                     "a fixed-depth chain, there is no head to run over a guessed path")
+        args.enable_overlap_drafting = False
     if getattr(args, "enable_multi_layer_eagle", False) and getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive is disabled with multi-layer EAGLE: it drafts one MTP layer per step, "
                      "a chain of fixed depth")  # as SGLang does

@@ -65,3 +65,56 @@ def test_predraft_then_mismatched_propose_rolls_back_to_committed(pair):
     [want] = fresh.propose([ProposeInput("s", len(prompt) + 2, [], spec)])
     assert (got.tree.token_ids, got.tree.parents) == (want.tree.token_ids, want.tree.parents)
     assert used.runner.kv_len("s") == len(prompt) + 2
+
+
+# ---------------------------------------------------------------- feature drafts (the EAGLE family)
+@pytest.fixture(scope="module")
+def demo_reference():
+    """Six held-out prompts of the bundled demo target and its HF greedy continuations."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.args import DEFAULT_MODEL
+
+    lines = (DEFAULT_MODEL / "heldout_prompts.jsonl").read_text().splitlines()[:6]
+    prompts = [json.loads(line)["prompt_ids"][:48] for line in lines]
+    hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).eval()
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    return prompts, want
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", [
+    pytest.param("EAGLE3", 3, 1, 4, id="eagle3-chain"),
+    pytest.param("EAGLE3", 4, 3, 8, id="eagle3-tree"),
+    pytest.param("NEXTN", 3, 1, 4, id="nextn-chain"),  # the bundled target's own MTP layer
+    pytest.param("EAGLE", 3, 2, 6, id="eagle-tree-mtp"),
+])
+async def test_feature_draft_predrafts_hit_and_miss_and_output_is_hf_greedy(demo_reference, algorithm, steps,
+                                                                             topk, ndt):
+    """The bundled EAGLE-3 head and MTP layer pre-draft from their own hidden states over the guessed path: some
+    guesses come true (their trees are verified as drafted), some do not (the draft rolls back), the requests run
+    concurrently, and every output equals HF greedy and the sequential loop's."""
+    import asyncio
+
+    from tandem.args import DEFAULT_EAGLE, DEFAULT_EAGLE3, DEFAULT_MODEL
+
+    prompts, want = demo_reference
+    draft = DEFAULT_EAGLE3 if algorithm == "EAGLE3" else DEFAULT_EAGLE
+    async with local_stack(DEFAULT_MODEL, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt, max_total_tokens=8192, enable_overlap_drafting=True) as scheduler:
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 32, request_id=f"f{i}")
+                                         for i, p in enumerate(prompts)))
+        await _assert_no_kv_leak(scheduler)
+    assert [got for got, _, _ in results] == want
+    hits = sum(usage.predraft_hits for _, usage, _ in results)
+    misses = sum(usage.predraft_misses for _, usage, _ in results)
+    accepted = sum(usage.accepted_draft_tokens for _, usage, _ in results)
+    assert hits > 0 and misses > 0, f"hits {hits}, misses {misses}: both paths must run"
+    assert accepted > len(prompts) * 8, "pre-drafted trees should be about as good as fresh ones"

@@ -44,6 +44,9 @@ class CatchUp:
     slots: list[int]  # n flat KV slots
     block_table: list[int]
     features: torch.Tensor | None = None  # (n, F) raw target features (EAGLE heads), any device/dtype
+    # Rows whose input feature is the draft's own recurrent hidden (a pre-draft's guessed positions, whose target
+    # features do not exist yet): row index -> (H,) tensor on the draft's device, used as is (not projected).
+    own_features: dict[int, torch.Tensor] | None = None
 
 
 def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: int
@@ -89,6 +92,11 @@ class StaticDraftStep(StaticStep):
         if feature_head:
             self.features = torch.zeros(self.max_bs * q, runner.model.feature_size, dtype=runner.dtype,
                                         device=runner.device)
+            # CatchUp.own_features: the rows whose input is the draft's own hidden instead of a projected feature
+            hidden = runner.model_config.hidden_size
+            self.own = torch.zeros(self.max_bs * q, hidden, dtype=runner.dtype, device=runner.device)
+            self.own_mask = torch.zeros(self.max_bs * q, 1, dtype=torch.bool, device=runner.device)
+            self._own_set = False
 
     # ---- the static computation ----------------------------------------------------------------------------------
     def run(self, num_seqs: int) -> torch.Tensor:
@@ -110,7 +118,8 @@ class StaticDraftStep(StaticStep):
             prefix_lens=start.to(torch.int32), max_query_len=q)
         extra = {}
         if self.feature_head:
-            extra["input_features"] = model.project_features(self.features[:b * q])
+            extra["input_features"] = torch.where(self.own_mask[:b * q], self.own[:b * q],
+                                                  model.project_features(self.features[:b * q]))
         out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, None, **extra)
         last = torch.arange(b, device=dev) * q + (q - 1)
         hidden = out.hidden[last]  # (b, H): the root's recurrent hidden (feature heads) / last hidden
@@ -196,6 +205,7 @@ class StaticDraftStep(StaticStep):
             pinned = src.type == "cpu" and self.features.device.type == "cuda"
             self.features[:bs * q].copy_((feats.pin_memory() if pinned else feats).view(bs * q, -1),
                                          non_blocking=pinned)
+            self._put_own(items, bs)
         rows = self.execute(host)[:num].tolist()  # the one device->host copy of a Propose
         m = self.shape.num_draft_tokens - 1
         trees = []
@@ -203,6 +213,20 @@ class StaticDraftStep(StaticStep):
             count = row[2 * m]
             trees.append(DraftTree(row[:count], [ROOT if p < 0 else p for p in row[m:m + count]]))
         return trees
+
+
+    def _put_own(self, items: list[CatchUp], bs: int) -> None:
+        """The own-hidden rows of pre-drafts (CatchUp.own_features); cleared again after a Propose that had some."""
+        q = self.shape.catch_up
+        own = [(i * q + q - len(item.token_ids) + r, row) for i, item in enumerate(items)
+               for r, row in (item.own_features or {}).items()]
+        if self._own_set:
+            self.own_mask.zero_()
+        self._own_set = bool(own)
+        if own:
+            index = torch.tensor([j for j, _ in own], device=self.own.device)
+            self.own.index_copy_(0, index, torch.stack([row.to(self.own.dtype) for _, row in own]).to(self.own.device))
+            self.own_mask[index] = True
 
 
 class StaticMultiLayerDraftStep(StaticDraftStep):

@@ -189,3 +189,45 @@ def test_multi_layer_eagle_static_step_matches_eager(tmp_path, steps):
     assert static_p._static_steps[spec].num_replays == (8 if 5 <= 2 * steps else 7)
     static_p.release(["s"])
     assert static_p.runner.num_free_tokens() == static_p.runner.num_total_tokens()
+
+
+@pytest.mark.parametrize("spec", [TREE, CHAIN], ids=["tree", "chain"])
+def test_eagle3_predraft_static_matches_eager_and_a_miss_rolls_back(tmp_path, spec):
+    """A pre-draft (append_guess: feature rows for the committed tokens only, the head's own hidden states over the
+    guessed path) gives the same guess and tree through the static step (own-hidden rows in its catch-up) as
+    eagerly; the real Propose after a wrong guess gives the tree of a draft that never saw the guess."""
+    from core.steps import ProposeInput
+    from tests.eagle.heads import make_eagle3_head
+
+    target_path = make_tiny_model("llama", tmp_path / "target")
+    head = make_eagle3_head(target_path, str(tmp_path / "eagle3"))
+    prompt = [5, 17, 42, 99, 7, 31, 12]
+    real = [40, 50, 61]
+    results = []
+    for static in (True, False, None):  # None: a fresh draft that only ever sees the real tokens
+        proposer = EagleProposer(target_path, head, _config(max_total_tokens=1024), algorithm="EAGLE3")
+        feats = torch.randn(len(prompt) + len(real), proposer.feature_size, generator=torch.Generator().manual_seed(1))
+        if static:
+            assert proposer.enable_static_step(spec, max_bs=4)
+        if static is None:
+            proposer.prefill("s", prompt + real, feats[:len(prompt) + len(real) - 1])
+            [out] = proposer.propose([ProposeInput("s", len(prompt) + len(real), [], spec)])
+            results.append((None, None, out.tree.token_ids, out.tree.parents))
+            continue
+        proposer.prefill("s", prompt, feats[:len(prompt) - 1])
+        proposer.propose([ProposeInput("s", len(prompt), [], spec)])  # the prompt's catch-up
+        [pre] = proposer.propose([ProposeInput("s", len(prompt) + 2, [40, 41], spec,
+                                               torch.empty(0, proposer.feature_size), append_guess=True)])
+        assert pre.status == 0 and len(pre.guessed_token_ids) == 1, pre.error
+        assert pre.base_committed_len == len(prompt) + 3 and len(pre.tree.token_ids) > 0
+        # the target committed 40, 50, 61 instead (a miss): rows for every token after the prompt's last
+        [out] = proposer.propose([ProposeInput("s", len(prompt) + len(real), real, spec,
+                                               feats[len(prompt) - 1:len(prompt) + len(real) - 1])])
+        results.append(((pre.guessed_token_ids, pre.tree.token_ids, pre.tree.parents), proposer._own.get("s"),
+                        out.tree.token_ids, out.tree.parents))
+        if static:  # the pre-draft's tree and the real Propose both went through the static step
+            assert proposer._static_steps[spec].num_replays >= 2
+    static_run, eager_run, fresh = results
+    assert static_run[0] == eager_run[0], "pre-draft: static step and eager differ"
+    assert static_run[2:] == eager_run[2:] == fresh[2:], "after a miss the draft must be as if it never guessed"
+    assert not static_run[1] and not eager_run[1], "own hiddens of a wrong guess must be dropped"

@@ -37,7 +37,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 @contextlib.asynccontextmanager
-async def synthetic_stack(target, oracle: Oracle, rate: float, steps: int, topk: int, ndt: int, head: bool = True):
+async def synthetic_stack(target, oracle: Oracle, rate: float, steps: int, topk: int, ndt: int, head: bool = True,
+                          overlap: bool = False):
     from draft_service.server import serve_draft
     from gateway.clients import DraftClient, TargetClient
     from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
@@ -57,7 +58,8 @@ async def synthetic_stack(target, oracle: Oracle, rate: float, steps: int, topk:
     scheduler = Scheduler(targets=[tclient], drafts=[dclient], tokenizer=None, model_name="tiny",
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=[],
                           spec=SpecConfig("SYNTHETIC", steps, topk, ndt),
-                          config=SchedulerConfig(max_running_requests=8, request_timeout_s=120))
+                          config=SchedulerConfig(max_running_requests=8, request_timeout_s=120,
+                                                 enable_overlap_drafting=overlap))
     await scheduler.start()
     scheduler.test_proposer = proposer
     try:
@@ -93,6 +95,28 @@ async def test_synthetic_greedy_matches_hf(tiny, rate, steps, topk, ndt):
         assert accepted > 0
         stats = scheduler.test_proposer.stats
         assert stats["unknown_seqs"] == 1 and stats["diverged_seqs"] == 0
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.75])
+async def test_synthetic_predrafts_guess_the_spine_and_output_is_hf_greedy(tiny, rate):
+    """--enable-overlap-drafting with SYNTHETIC: the pre-draft's bonus guess is what the draft's spine holds there, so
+    at a = 1 every guess comes true (no Propose round trips after the first), and below that both paths run; the
+    head spends its compute on the guessed tokens. Output equals HF greedy either way."""
+    target, hf = tiny
+    ps = prompts(hf.config.vocab_size)[:3]
+    steps, max_new = 3, 25
+    async with synthetic_stack(target, make_oracle(hf, ps, max_new + 2 * steps), rate, steps, 1, steps + 1,
+                               overlap=True) as sched:
+        hits = misses = 0
+        for i, prompt in enumerate(ps):
+            got, usage, _ = await generate_ids(sched, prompt, max_new, request_id=f"o{i}")
+            assert got == hf_greedy(hf, prompt, max_new)
+            hits, misses = hits + usage.predraft_hits, misses + usage.predraft_misses
+    assert hits > 0
+    if rate == 1.0:
+        assert misses == 0, f"a = 1: every guess is the oracle's ({hits} hits, {misses} misses)"
+    else:
+        assert misses > 0
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.0])
