@@ -1,6 +1,6 @@
 """Overlap scheduling through the real stack (`tandem serve`, three processes, gRPC Generate, greedy): tokens/s of
 the default loop (ping-pong halves chosen by measurement, gateway/overlap.py) against `--disable-overlap-schedule`,
-at each batch size, and of pre-drafting (`--enable-overlap-drafting`, STANDALONE) at batch 1 — side by side in one
+at each batch size, and of pre-drafting (`--enable-overlap-drafting`: STANDALONE, the EAGLE family) at batch 1 — side by side in one
 run. Reports, from the gateway's /metrics, how many loop iterations ran as ping-pong phases and how long a Propose
 and a Verify were in flight at once.
 
@@ -30,6 +30,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accept import free_port, heldout_prompts, stub_generate, wait_ready  # noqa: E402
 
+from core import algorithms  # noqa: E402
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from tandem.args import DEFAULT_MODEL  # noqa: E402
@@ -96,8 +97,8 @@ def main() -> None:
     for shape in args.shapes:
         for batch in args.batch_sizes:
             for mode, flags in MODES.items():
-                if mode == "predraft" and (batch > 1 or args.algorithm != "STANDALONE"):
-                    continue  # pre-drafting: STANDALONE, where a batch-1 step has nothing else to overlap
+                if mode == "predraft" and (batch > 1 or not algorithms.get(args.algorithm).supports_overlap):
+                    continue  # pre-drafting: at batch 1, where a step has nothing else to overlap
                 results.append(run(f"{shape} {mode}", SHAPES[shape] + flags, prompts, batch, args))
     for r in results:
         base = next(b for b in results if b["config"].split()[0] == r["config"].split()[0]

@@ -118,3 +118,43 @@ async def test_feature_draft_predrafts_hit_and_miss_and_output_is_hf_greedy(demo
     accepted = sum(usage.accepted_draft_tokens for _, usage, _ in results)
     assert hits > 0 and misses > 0, f"hits {hits}, misses {misses}: both paths must run"
     assert accepted > len(prompts) * 8, "pre-drafted trees should be about as good as fresh ones"
+
+
+async def test_sampled_output_with_predrafts_follows_the_target_distribution(tmp_path):
+    """χ² through the gateway with pre-drafting on: many seeded requests of one prompt, sampled at temperature 0.45;
+    the fifth token (verified from a pre-drafted tree when the guess about the step before came true) given the most
+    frequent first four follows HF's target distribution, and pre-drafts were used."""
+    import asyncio
+    import collections
+
+    import torch
+    from scipy.stats import chisquare
+
+    target = make_tiny_model("llama", tmp_path / "target", std=0.35)
+    draft = perturbed_copy(target, tmp_path / "draft", noise=0.01)
+    hf = load_hf_model(target)
+    prompt, n, temperature = [3, 17, 42, 9, 100, 55], 2000, 0.45
+    async with local_stack(target, algorithm="STANDALONE", draft_path=draft, num_steps=2, topk=1,
+                           num_draft_tokens=3, enable_overlap_drafting=True, max_total_tokens=64 * 1024) as scheduler:
+        results = []
+        for wave in range(0, n, 200):  # within the gateway's queue bound
+            results += await asyncio.gather(*(generate_ids(scheduler, prompt, 6, temperature=temperature, seed=i,
+                                                           request_id=f"x{i}") for i in range(wave, wave + 200)))
+    assert sum(usage.predraft_hits for _, usage, _ in results) > 100
+
+    def probs(ids):
+        with torch.no_grad():
+            return torch.softmax(hf(torch.tensor([ids])).logits[0, -1].float() / temperature, dim=-1)
+
+    outs = [got for got, _, _ in results]
+    prefix = list(collections.Counter(tuple(o[:4]) for o in outs).most_common(1)[0][0])
+    fifth = collections.Counter(o[4] for o in outs if o[:4] == prefix)
+    p = probs([*prompt, *prefix])
+    total = sum(fifth.values())
+    assert total >= 150, f"only {total} samples of the conditioned fifth token"
+    support = [t for t in range(p.numel()) if p[t] * total >= 1.0]  # expected count >= 1; the rest pooled
+    rest = total - sum(fifth.get(t, 0) for t in support)
+    observed = [fifth.get(t, 0) for t in support] + [rest]
+    expected = [float(p[t]) * total for t in support]
+    expected.append(total - sum(expected))
+    assert chisquare(observed, expected).pvalue > 1e-3
