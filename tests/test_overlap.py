@@ -158,3 +158,22 @@ async def test_sampled_output_with_predrafts_follows_the_target_distribution(tmp
     expected = [float(p[t]) * total for t in support]
     expected.append(total - sum(expected))
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+async def test_predrafting_survives_losing_the_draft_pod_mid_stream(demo_reference):
+    """The draft pod disappears while pre-drafts are in flight: its sequences step target-only from then on and every
+    output is still HF greedy."""
+    import asyncio
+
+    from tandem.args import DEFAULT_EAGLE3, DEFAULT_MODEL
+
+    prompts_, want = demo_reference
+    async with local_stack(DEFAULT_MODEL, algorithm="EAGLE3", draft_path=DEFAULT_EAGLE3, num_steps=3, topk=1,
+                           num_draft_tokens=4, max_total_tokens=8192, enable_overlap_drafting=True) as scheduler:
+        tasks = [asyncio.create_task(generate_ids(scheduler, p, 32, request_id=f"l{i}"))
+                 for i, p in enumerate(prompts_)]
+        while scheduler.num_steps < 3:
+            await asyncio.sleep(0.005)
+        await scheduler.test_servers[1].stop(grace=None)
+        results = await asyncio.gather(*tasks)
+    assert [got for got, _, _ in results] == want

@@ -196,20 +196,24 @@ async def _texts(scheduler, prompts_ids, stops, max_new=40):
     return await asyncio.gather(*(one(i, p, s) for i, (p, s) in enumerate(zip(prompts_ids, stops))))
 
 
-@pytest.mark.parametrize("algorithm,overlap", [("STANDALONE", "off"), ("STANDALONE", "on"), ("NONE", "off")])
+@pytest.mark.parametrize("algorithm,overlap", [("STANDALONE", "off"), ("STANDALONE", "on"), ("NONE", "off"),
+                                               ("EAGLE3", "predraft")])
 async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_critical_path(algorithm, overlap):
     """Outputs are detokenized and stop-matched while the next call is in flight (Sequence.deliver): the next
     Propose, or with plain decoding (4 decode steps per call) the next Verify. A stop string found then truncates
     exactly as before, the tokens committed past it are never streamed, and concurrent neighbours are unaffected.
     The bundled demo pair (real tokenizer), STANDALONE chain, and plain decoding."""
     from gateway.tokenizer import Tokenizer
-    from tandem.args import DEFAULT_DRAFT, DEFAULT_MODEL
+    from tandem.args import DEFAULT_DRAFT, DEFAULT_EAGLE3, DEFAULT_MODEL
 
     tokenizer = Tokenizer(DEFAULT_MODEL)
     texts = ["def fibonacci(n):\n    ", "import os\nimport ", "class Stack:\n    def ", "for i in range("]
     prompts_ids = [tokenizer.encode(t) for t in texts]
     shape = dict(draft_path=DEFAULT_DRAFT, num_steps=3, topk=1, num_draft_tokens=4) if algorithm != "NONE" else dict(
         num_continuous_decode_steps=4)
+    if overlap == "predraft":  # pre-drafts (the bundled EAGLE-3 head): a stop inside a pre-drafted step's tokens
+        shape = dict(draft_path=DEFAULT_EAGLE3, num_steps=3, topk=1, num_draft_tokens=4, enable_overlap_drafting=True)
+        overlap = "auto"
     async with local_stack(DEFAULT_MODEL, algorithm=algorithm, tokenizer=tokenizer, overlap_schedule=overlap,
                            **shape) as scheduler:
         assert scheduler._drafts_nothing == (algorithm == "NONE")
