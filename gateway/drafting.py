@@ -148,6 +148,7 @@ class Drafting:
                 continue
             if predraft.pod is seq.draft and not self.pool.is_down(predraft.pod) and predraft.matches(seq.committed):
                 seq.predraft_hits += 1
+                self.metrics.predrafts.labels("hit").inc()
                 # The draft's guessed tail is now committed (a feature draft keeps the KV it built on its own hidden
                 # states there: re-sending the target's features measured +0.1 tau on the demo chain, not worth a
                 # catch-up past the static step's window)
@@ -155,6 +156,7 @@ class Drafting:
                 trees[seq.seq_id] = predraft.tree
             else:
                 seq.predraft_misses += 1  # draft_synced_len still ends before the guess: the next Propose rolls back
+                self.metrics.predrafts.labels("miss").inc()
         return trees
 
     def predraft_items(self, seqs: list[Sequence], trees: dict[str, DraftTree]) -> dict[object, list]:

@@ -99,7 +99,9 @@ class GatewayMetrics:
                                           "overlap.py): sequential steps, or ping-pong phases of two half batches",
                                           ["mode"], registry=r)
         self.overlap_busy = Counter(P + "overlap_both_busy_seconds", "Time a draft Propose and a target Verify were "
-                                    "in flight at once (ping-pong phases)", registry=r)
+                                    "in flight at once (ping-pong phases, pre-drafts)", registry=r)
+        self.predrafts = Counter(P + "predrafts", "Pre-drafted trees (--enable-overlap-drafting) by outcome: used "
+                                 "(hit: the guess came true) or dropped (miss)", ["outcome"], registry=r)
         self._live: dict[str, _Live] = {}
         self._histograms = {"draft": self.draft_time, "verify": self.verify_time, "prefill": self.prefill_time,
                             "step": self.step_time}

@@ -486,8 +486,12 @@ class Scheduler:
         seqs = [s for s in seqs if not s.finished]  # a stop string found while delivering ends a sequence here
         verifies = self._verifies(seqs, trees)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
-            verifies.append(self.drafting.predraft(self.drafting.predraft_items(seqs, trees)))
-        await asyncio.gather(*verifies)
+            predraft = self.drafting.predraft(self.drafting.predraft_items(seqs, trees))
+            spans = await asyncio.gather(_span(asyncio.gather(*verifies)), _span(predraft))
+            (v0, v1), (d0, d1) = spans
+            self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+        else:
+            await asyncio.gather(*verifies)
         if adaptive_steps is not None:
             drafted = [s for s in seqs if s.seq_id in trees]
             mean = (sum(s.accepted_draft_tokens - accepted_before[s.seq_id] for s in drafted) / len(drafted)
@@ -543,6 +547,13 @@ class Scheduler:
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
+
+
+async def _span(work) -> tuple[float, float]:
+    """(start, end) perf_counter of awaiting `work`."""
+    start = time.perf_counter()
+    await work
+    return start, time.perf_counter()
 
 
 def _logprobs(seq: Sequence) -> int:

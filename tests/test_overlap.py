@@ -112,9 +112,14 @@ async def test_feature_draft_predrafts_hit_and_miss_and_output_is_hf_greedy(demo
         results = await asyncio.gather(*(generate_ids(scheduler, p, 32, request_id=f"f{i}")
                                          for i, p in enumerate(prompts)))
         await _assert_no_kv_leak(scheduler)
+        metrics = scheduler.metrics
     assert [got for got, _, _ in results] == want
     hits = sum(usage.predraft_hits for _, usage, _ in results)
     misses = sum(usage.predraft_misses for _, usage, _ in results)
+    # /metrics counts what usage reports, and the time a pre-draft Propose and a Verify were in flight together
+    assert metrics.predrafts.labels("hit")._value.get() == hits
+    assert metrics.predrafts.labels("miss")._value.get() == misses
+    assert metrics.overlap_busy._value.get() > 0
     accepted = sum(usage.accepted_draft_tokens for _, usage, _ in results)
     assert hits > 0 and misses > 0, f"hits {hits}, misses {misses}: both paths must run"
     assert accepted > len(prompts) * 8, "pre-drafted trees should be about as good as fresh ones"
