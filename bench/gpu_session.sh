@@ -135,10 +135,11 @@ for s in $STAGES; do
       timeout 200 python3 -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path /tmp/demo-mtp2 \
         --corpus /usr/lib/python3.12 --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-mtp2 --minutes 2.6 \
         --device cuda --batch-size 64 --seq-len 512 > "$R/mtp2_train.log" 2>&1 &
+      MTP2=$!
       timeout 240 python3 -m tools.train_draft --kind mtp --target-model-path $M --corpus /usr/lib/python3.12 \
         --exclude-files $M/heldout_files.txt --output-dir $M --minutes 3.3 --device cuda --batch-size 64 \
         --seq-len 512 > "$R/mtp_train.log" 2>&1
-      wait
+      wait $MTP2  # the 2-layer training (a bare `wait` would wait for the BUDGET_S watchdog too)
       tail -3 "$R/mtp_train.log"; tail -2 "$R/mtp2_train.log"; mkdir -p "$R/bundle"
       cp $M/config.json $M/model.safetensors.index.json $M/mtp*.safetensors $M/mtp_training_info.json "$R/bundle/"
       cp /tmp/demo-mtp2/mtp_training_info.json "$R/mtp2_training_info.json" 2>/dev/null
@@ -155,13 +156,15 @@ for s in $STAGES; do
       timeout 170 python3 -m tools.train_draft --kind mtp --num-mtp-layers 2 --target-model-path /tmp/demo-mtp2 \
         --corpus /usr/lib/python3.12 --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-mtp2 --minutes 2.2 \
         --device cuda --batch-size 64 --seq-len 512 > "$R/mtp2_train.log" 2>&1 &
+      MTP2=$!
       timeout 190 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
         --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 2.5 --device cuda --batch-size 64 \
         --seq-len 512 > "$R/dflash_train.log" 2>&1 &
+      DFLASH=$!
       # the GPU lossless tests (UNO and the MTP cases never ran on a GPU) beside the two trainings (tiny models)
       timeout -s INT 240 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
         > "$R/lossless_gpu.log" 2>&1
-      wait
+      wait $MTP2 $DFLASH  # (a bare `wait` would wait for the BUDGET_S watchdog too)
       grep -E "tau|passed|failed|FAILED|Error" "$R/lossless_gpu.log" | tail -14
       tail -2 "$R/dflash_train.log"; tail -1 "$R/mtp2_train.log"
       mkdir -p "$R/dflash" "$R/mtp2" && cp /tmp/demo-dflash/* "$R/dflash/"
