@@ -318,6 +318,10 @@ def _overlap_schedule(args: argparse.Namespace, target_infos, draft_infos) -> st
     if args.disable_overlap_schedule or algorithms.get(getattr(args, "speculative_algorithm", None)).drafts_on_target:
         return "off"  # (drafts on the target: Propose and Verify of a sequence go to the same pod)
     shared = ({i.accelerator for i in target_infos} & {i.accelerator for i in draft_infos}) - {""}
+    if shared and getattr(args, "enable_overlap_drafting", False):
+        logger.warning("--enable-overlap-drafting with draft and target pods on one device (%s): pre-drafts compete "
+                       "with the Verify for it (H200, demo family, EAGLE3: 0.53x chain, 0.59x tree of the sequential "
+                       "loop; bench/results/dflash_uno_h200/NOTES.md)", ", ".join(sorted(shared)))
     if shared:
         logger.info("overlap schedule: draft and target pods share %s: batches are not split into ping-pong halves",
                     ", ".join(sorted(shared)))

@@ -87,6 +87,21 @@ def test_pods_on_one_device_never_split_the_batch():
     assert _overlap_schedule(off, [gpu0], [gpu1]) == "off"
 
 
+def test_predrafting_on_one_device_warns(caplog):
+    """Pre-drafts compete with the Verify on one device (0.53-0.59x on one H200): tandem says so at start-up."""
+    from types import SimpleNamespace as Info
+
+    from tandem.services import _overlap_schedule
+
+    gpu0, gpu1 = Info(accelerator="cuda:GPU-a"), Info(accelerator="cuda:GPU-b")
+    predraft = Info(disable_overlap_schedule=False, enable_overlap_drafting=True)
+    with caplog.at_level("WARNING", logger="tandem"):
+        _overlap_schedule(predraft, [gpu0], [gpu1])
+        assert "--enable-overlap-drafting" not in caplog.text
+        _overlap_schedule(predraft, [gpu0], [gpu0])
+    assert "--enable-overlap-drafting with draft and target pods on one device (cuda:GPU-a)" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- through the stack
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
