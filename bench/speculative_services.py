@@ -78,10 +78,12 @@ class Stack:
                                                 "spec_http")}
         max_bs = max(args.batch_sizes)
         kv = max_bs * (args.prompt_len + args.max_new_tokens + 2 * config.ndt + 64) + 4096
-        model = ["--model-path", str(path), "--load-format", "dummy", "--device", args.device, "--dtype", args.dtype,
-                 "--max-total-tokens", str(kv), "--cuda-graph-max-bs", str(max_bs), "--log-level", "warning"]
-        if args.attention_backend:
-            model += ["--attention-backend", args.attention_backend]
+        def model_flags(device: str) -> list[str]:
+            flags = ["--model-path", str(path), "--load-format", "dummy", "--device", device, "--dtype", args.dtype,
+                     "--max-total-tokens", str(kv), "--cuda-graph-max-bs", str(max_bs), "--log-level", "warning"]
+            return flags + (["--attention-backend", args.attention_backend] if args.attention_backend else [])
+
+        model = model_flags(args.device)
         spec = ["--speculative-algorithm", "SYNTHETIC", "--speculative-num-steps", str(config.steps),
                 "--speculative-eagle-topk", str(config.topk), "--speculative-num-draft-tokens", str(config.ndt)]
         if args.adaptive:  # draft steps per batch size (gateway), a verify graph and a static draft step per tier
@@ -92,8 +94,8 @@ class Stack:
             target.append("--disable-cuda-graph")
         if args.margin_weights:
             target.append("--synthetic-margin-weights")
-        draft_model = [*model[:4], "--device", args.draft_device or args.device, *model[6:]]
-        draft = ["draft", *draft_model, *spec, "--service-port", str(p["draft"]), "--metrics-port", str(p["draft_m"]),
+        draft = ["draft", *model_flags(args.draft_device or args.device), *spec, "--service-port", str(p["draft"]),
+                 "--metrics-port", str(p["draft_m"]),
                  "--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
                  "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
         if args.head_hidden is not None:

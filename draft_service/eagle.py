@@ -190,7 +190,7 @@ class EagleProposer(ModelDrafter):
             out = self.runner.forward(forwards)  # appends position C-1+j (token p_{j+1}, the previous hidden)
             for inp, logits, h in zip(group, out.logits, out.hidden):
                 hidden[inp.seq_id], top[inp.seq_id] = h[-1].clone(), logits[-1].argmax(dim=-1)
-                self._own[inp.seq_id][inp.committed_len + j] = h[-1]  # stands in for f of p_{j+1}
+                self._own[inp.seq_id][inp.committed_len + j] = hidden[inp.seq_id]  # stands in for f of p_{j+1}
         guesses = self._to_target(torch.stack([top[inp.seq_id] for inp in active])).tolist()
         for inp in active:  # the path is now the sequence's (speculative) state, placeholders keep _feats aligned
             path = tails[inp.seq_id]

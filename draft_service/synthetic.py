@@ -68,6 +68,11 @@ def _mix(*values: int) -> int:
     return x
 
 
+def _wrong(truth: int, offset: int, key: int, vocab: int) -> int:
+    """A token that is never `truth`: a stable hash of (offset, sequence key) away from it."""
+    return (truth + 1 + (offset + key) % (vocab - 1)) % vocab
+
+
 class Oracle:
     """Prompt token ids -> the target's greedy continuation (a reference AR run's output)."""
 
@@ -341,10 +346,8 @@ class SyntheticProposer(Proposer):
             tokens, state = self._tokens[inp.seq_id], self._seq[inp.seq_id]
             length, full = len(tokens), self._follows_oracle(inp.seq_id)
             truth = full[length] if full is not None and length < len(full) else -1
-            guess = (truth + 1 + (_mix(length) + state.key) % (self.vocab_size - 1)) % self.vocab_size
-            if truth >= 0 and self._kept(state, length):
-                guess = truth
-            guesses[inp.seq_id] = guess
+            kept = truth >= 0 and self._kept(state, length)
+            guesses[inp.seq_id] = truth if kept else _wrong(truth, _mix(length), state.key, self.vocab_size)
         return guesses
 
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
@@ -371,7 +374,7 @@ class SyntheticProposer(Proposer):
             n = len(full)
         vocab, key = self.vocab_size, state.key
         truths = [full[length + d] if length + d < n else -1 for d in shape.depths]
-        out = [(t + 1 + (o + key) % (vocab - 1)) % vocab for t, o in zip(truths, shape.offsets)]  # never the truth
+        out = [_wrong(t, o, key, vocab) for t, o in zip(truths, shape.offsets)]
         for i in shape.spine_nodes:
             if truths[i] >= 0 and self._kept(state, length + shape.depths[i]):
                 out[i] = truths[i]

@@ -409,13 +409,6 @@ class Scheduler:
         if not verifying:
             drafting = drafting[: (len(seqs) + 1) // 2]
 
-        spans = {}
-
-        async def timed(name: str, work) -> None:
-            start = time.perf_counter()
-            await work
-            spans[name] = (start, time.perf_counter())
-
         async def draft_half() -> None:
             trees = await self.drafting.propose(drafting) if drafting else {}
             for seq in drafting:  # no tree (no draft pod, STALE): the next phase verifies it as a plain decode step
@@ -423,13 +416,12 @@ class Scheduler:
                     self._pending[seq.seq_id] = trees.get(seq.seq_id, DraftTree([], []))
 
         verify = asyncio.gather(*self._verifies(verifying, pending))
-        both = asyncio.ensure_future(asyncio.gather(timed("verify", verify), timed("draft", draft_half())))
+        both = asyncio.ensure_future(asyncio.gather(_span(verify), _span(draft_half())))
         await asyncio.sleep(0)  # the calls go out; then the drafting half's outputs are delivered meanwhile
         self._deliver(drafting_all)
-        await both
+        spans = await both
         if verifying and drafting:  # both pods in flight at once: the time the split bought
-            (v0, v1), (d0, d1) = spans["verify"], spans["draft"]
-            self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+            self.metrics.overlap_busy.inc(_overlap(*spans))
         return bool(verifying)
 
     async def _propose_delivering(self, seqs: list[Sequence], to_propose: list[Sequence],
@@ -487,9 +479,8 @@ class Scheduler:
         verifies = self._verifies(seqs, trees)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             predraft = self.drafting.predraft(self.drafting.predraft_items(seqs, trees))
-            spans = await asyncio.gather(_span(asyncio.gather(*verifies)), _span(predraft))
-            (v0, v1), (d0, d1) = spans
-            self.metrics.overlap_busy.inc(max(0.0, min(v1, d1) - max(v0, d0)))
+            self.metrics.overlap_busy.inc(_overlap(*await asyncio.gather(_span(asyncio.gather(*verifies)),
+                                                                         _span(predraft))))
         else:
             await asyncio.gather(*verifies)
         if adaptive_steps is not None:
@@ -554,6 +545,11 @@ async def _span(work) -> tuple[float, float]:
     start = time.perf_counter()
     await work
     return start, time.perf_counter()
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Seconds two (start, end) spans were both in flight."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
 def _logprobs(seq: Sequence) -> int:

@@ -214,7 +214,6 @@ class StaticDraftStep(StaticStep):
             trees.append(DraftTree(row[:count], [ROOT if p < 0 else p for p in row[m:m + count]]))
         return trees
 
-
     def _put_own(self, items: list[CatchUp], bs: int) -> None:
         """The own-hidden rows of pre-drafts (CatchUp.own_features); cleared again after a Propose that had some."""
         q = self.shape.catch_up

@@ -25,7 +25,7 @@ def draft_chain(root_token_id: int, draft_logits: torch.Tensor, sampling: Sampli
     if draft_logits.shape[0] == 0:
         return DraftTree.chain([root_token_id])
     if sampling is None or sampling.is_greedy:
-        return DraftTree.chain([root_token_id, *draft_logits.argmax(dim=-1).tolist()])
+        return greedy_chains([root_token_id], [draft_logits])[0]
     q = process_logits(draft_logits.float(), sampling)  # (F - 1, V)
     drafts = torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist()
     root = torch.zeros_like(q[:1])
