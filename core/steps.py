@@ -51,6 +51,9 @@ class VerifyInput:
     return_features: bool = False
     num_decode_steps: int = 1  # empty tree only: decode steps run back to back in this call
     logprobs: int = -1  # -1: none; k >= 0: each emitted token's logprob and the top k alternatives
+    # A target with a draft in its own process: draft the next tree of this shape from the outcome right after the
+    # verify (StepOutput.proposal), one round trip per step. None: verify only.
+    propose_next: SpecShape | None = None
 
 
 @dataclass
@@ -71,6 +74,7 @@ class StepOutput:
     # per emitted token when asked, under the raw target distribution (the gateway reads None for none)
     logprobs: Logprobs | None = field(default_factory=list)
     num_cached_tokens: int = 0  # prefill: prompt tokens whose KV came from the prefix cache
+    proposal: ProposeOutput | None = None  # VerifyInput.propose_next: the next tree, drafted from this outcome
 
 
 @dataclass

@@ -45,7 +45,7 @@ def propose_inputs(request: pb.ProposeRequest, limits: Limits = Limits()) -> lis
             if s.seq_id in seen:
                 raise ValueError("the sequence appears twice in one call")
             spec = SpecShape(s.spec.num_steps, max(1, s.spec.topk), s.spec.num_draft_tokens)
-            _check_spec(spec, limits)
+            check_spec(spec, limits)
             if len(s.new_token_ids) > s.committed_len:
                 raise ValueError(f"{len(s.new_token_ids)} new tokens > committed_len {s.committed_len}")
             _check_tokens(s.new_token_ids, limits)
@@ -104,7 +104,7 @@ def _sampling(s: pb.ProposeSeq) -> SamplingParams | None:
                           seed=msg.seed if msg.HasField("seed") else None)
 
 
-def _check_spec(spec: SpecShape, limits: Limits) -> None:
+def check_spec(spec: SpecShape, limits: Limits) -> None:
     if not 0 <= spec.num_steps <= MAX_NUM_STEPS:
         raise ValueError(f"num_steps {spec.num_steps} outside [0, {MAX_NUM_STEPS}]")
     if spec.num_steps * spec.topk > limits.max_steps_x_topk:

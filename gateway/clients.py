@@ -12,7 +12,8 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.steps import DraftPrefillInput, PrefillInput, ProposeInput, ProposeOutput, StepOutput, VerifyInput
+from core.steps import (DraftPrefillInput, PrefillInput, ProposeInput, ProposeOutput, SpecShape, StepOutput,
+                        VerifyInput)
 from core.types import DraftTree, FinishReason, SamplingParams, SeqStatus, StopRule
 from gateway.features import FeatureRows
 from protos.tandem.v1 import tandem_pb2 as pb
@@ -223,12 +224,14 @@ class TargetClient(_Client):
                                            draft_probs=_features_to_pb(i.tree.draft_probs)),
                          sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                          num_decode_steps=i.num_decode_steps, return_logprobs=i.logprobs >= 0,
-                         top_logprobs=max(i.logprobs, 0))
+                         top_logprobs=max(i.logprobs, 0),
+                         propose_next=_spec(i.propose_next) if i.propose_next is not None else None)
             for i in items])
         response = await self.verify_stream(request)
         return [StepOutput(r.seq_id, _status(r.status), list(r.token_ids), r.num_accepted_drafts, r.num_draft_tokens,
                            _FINISH_FROM_PB.get(r.finish_reason), r.error, _features_from_pb(r.features),
-                           max(1, r.num_steps), _logprobs(r))
+                           max(1, r.num_steps), _logprobs(r),
+                           proposal=_proposal(r.proposal) if r.HasField("proposal") else None)
                 for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
@@ -256,21 +259,25 @@ class DraftClient(_Client):
     async def propose(self, items: list[ProposeInput]) -> list[ProposeOutput]:
         request = pb.ProposeRequest(seqs=[
             pb.ProposeSeq(seq_id=i.seq_id, committed_len=i.committed_len, new_token_ids=i.new_token_ids,
-                          features=_features_to_pb(i.features),
-                          spec=pb.SpecParams(num_steps=i.spec.num_steps, topk=i.spec.topk,
-                                             num_draft_tokens=i.spec.num_draft_tokens),
-                          append_guess=i.append_guess,
+                          features=_features_to_pb(i.features), spec=_spec(i.spec), append_guess=i.append_guess,
                           sampling=_sampling(i.sampling) if i.sampling is not None else None)
             for i in items])
         response = await self.propose_stream(request)
-        return [ProposeOutput(r.seq_id, _status(r.status), DraftTree(list(r.tree.token_ids), list(r.tree.parents),
-                                                                    _features_from_pb(r.tree.draft_probs)),
-                              r.base_committed_len, r.error, list(r.guessed_token_ids))
-                for r in response.results]
+        return [_proposal(r) for r in response.results]
 
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
         return response.num_released
+
+
+def _spec(shape: SpecShape) -> pb.SpecParams:
+    return pb.SpecParams(num_steps=shape.num_steps, topk=shape.topk, num_draft_tokens=shape.num_draft_tokens)
+
+
+def _proposal(r: pb.ProposeResult) -> ProposeOutput:
+    return ProposeOutput(r.seq_id, _status(r.status), DraftTree(list(r.tree.token_ids), list(r.tree.parents),
+                                                                _features_from_pb(r.tree.draft_probs)),
+                         r.base_committed_len, r.error, list(r.guessed_token_ids))
 
 
 def _logprobs(result) -> list[tuple[float, list[int], list[float]]] | None:

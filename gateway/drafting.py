@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from core import algorithms
-from core.steps import DraftPrefillInput, ProposeInput, SpecShape
+from core.steps import DraftPrefillInput, ProposeInput, ProposeOutput, SpecShape
 from core.types import ROOT, DraftTree
 from gateway.clients import STATUS_OK, STATUS_STALE, DraftClient, PodUnavailable
 from gateway.metrics import GatewayMetrics
@@ -56,11 +56,16 @@ class SpecConfig:
 
 
 class Drafting:
-    def __init__(self, pool: PodPool, spec: SpecConfig, metrics: GatewayMetrics, enable_overlap: bool) -> None:
+    def __init__(self, pool: PodPool, spec: SpecConfig, metrics: GatewayMetrics, enable_overlap: bool,
+                 drafts_on_target: bool = False) -> None:
+        """drafts_on_target: the draft pods are the target pods (a draft in the target's process: UNO by its
+        registry entry, or `--colocate-draft`): a sequence's Propose goes to the pod that holds it, and its Verify asks
+        that pod to draft the next tree right after (`fused`)."""
         self.pool = pool
         self.spec = spec
         self.metrics = metrics
         self.enable_overlap = enable_overlap
+        self.on_target = spec.entry.drafts_on_target or drafts_on_target
 
     async def propose(self, seqs: list[Sequence], shape: SpecShape | None = None) -> dict[str, DraftTree]:
         """Trees per sequence from the draft pods (one batched call per pod; a rejection-sampling draft's q rides in
@@ -85,14 +90,14 @@ class Drafting:
     def _route(self, seq: Sequence) -> DraftClient | None:
         """The sequence's draft pod: rendezvous hashing over the draft pods; when the target pods draft themselves
         (registry drafts_on_target, UNO), the DraftService of the pod that holds the sequence."""
-        if not self.spec.entry.drafts_on_target:
+        if not self.on_target:
             return self.pool.route(seq.seq_id)
         target = getattr(seq.target, "address", None)
         return next((c for c in self.pool.live() if c.address == target), None)
 
     def _colocated(self, seq: Sequence) -> bool:
         """False when the target drafts and the sequence moved to another target pod since its last Propose."""
-        return not self.spec.entry.drafts_on_target or seq.draft.address == getattr(seq.target, "address", None)
+        return not self.on_target or seq.draft.address == getattr(seq.target, "address", None)
 
     async def _propose_on(self, pod: DraftClient, seqs: list[Sequence], shape: SpecShape | None = None
                           ) -> dict[str, DraftTree]:
@@ -124,6 +129,36 @@ class Drafting:
                 seq.draft_synced_len = 0
             elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
                 seq.draft_synced_len = len(seq.committed)
+                trees[seq.seq_id] = proposal.tree
+        return trees
+
+    # ---------------------------------------------------------------- fused verify → propose (drafts on the target)
+    def fused(self, seq: Sequence) -> SpecShape | None:
+        """The shape to ask the sequence's Verify to draft next (VerifyInput.propose_next), or None: only when its
+        draft lives in the process of the pod that verifies it and knows every committed token."""
+        if (not self.on_target or seq.draft is None or self.pool.is_down(seq.draft) or not self._colocated(seq)
+                or seq.draft_synced_len != len(seq.committed)):
+            return None
+        return self.spec.shape
+
+    def keep_proposal(self, seq: Sequence, proposal: ProposeOutput) -> None:
+        """A Verify's proposal for the next step (after the step's tokens were committed)."""
+        if proposal.status == STATUS_STALE:
+            seq.draft_synced_len = 0
+        elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
+            seq.draft_synced_len = len(seq.committed)
+            seq.proposal = Predraft(seq.draft, proposal.base_committed_len, [], proposal.tree)
+        elif proposal.status != STATUS_OK:  # INVALID: the draft did not take the tokens; the next Propose sends them
+            logger.warning("pod %s did not draft %s after its verify: %s", getattr(seq.draft, "address", None),
+                           seq.seq_id, proposal.error)
+
+    def take_proposals(self, seqs: list[Sequence]) -> dict[str, DraftTree]:
+        """The trees the last Verify drafted for these sequences, where still valid (same pod, same committed length)."""
+        trees = {}
+        for seq in seqs:
+            proposal, seq.proposal = seq.proposal, None
+            if (proposal is not None and proposal.pod is seq.draft and not self.pool.is_down(proposal.pod)
+                    and proposal.matches(seq.committed)):
                 trees[seq.seq_id] = proposal.tree
         return trees
 

@@ -54,6 +54,9 @@ class SchedulerConfig:
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
+    # The target pods draft in their own process (`--colocate-draft`; UNO by its registry entry): Propose goes to the
+    # pod holding the sequence and every Verify drafts the next tree in the same call (one round trip per step).
+    drafts_on_target: bool = False
     routing: RoutingConfig = RoutingConfig()  # how new sequences pick a target pod
     # Seconds between active health probes (grpc.health.v1) of every pod; 0 = none (pods are then only marked down
     # by failed calls). /health and gRPC health follow: unhealthy while no target pod is up.
@@ -111,12 +114,13 @@ class Scheduler:
         self.metrics = metrics or GatewayMetrics()
         self.metrics.bind(num_waiting=lambda: len(self._waiting), num_running=lambda: len(self._running),
                           pools={"target": self.targets, "draft": self.drafts})
-        self.drafting = Drafting(self.drafts, spec, self.metrics, config.enable_overlap_drafting)
+        self.drafting = Drafting(self.drafts, spec, self.metrics, config.enable_overlap_drafting,
+                                 config.drafts_on_target)
         # Ping-pong halves (gateway/overlap.py): not with adaptive draft lengths (one shape per batch size) or the
         # pre-drafts of --enable-overlap-drafting (their own overlap), and only when something drafts.
         self.overlap: OverlapSchedule | None = None
         if (config.overlap_schedule != "off" and adaptive is None and not config.enable_overlap_drafting
-                and spec.entry.drafts and drafts):
+                and spec.entry.drafts and drafts and not self.drafting.on_target):
             self.overlap = OverlapSchedule(force=PINGPONG if config.overlap_schedule == "on" else None)
         self._pending: dict[str, DraftTree] = {}  # ping-pong: trees drafted, not yet verified
         self._last_step_end: tuple[int, float] = (-1, 0.0)  # (num_steps after it, perf_counter) of the last step
@@ -435,10 +439,10 @@ class Scheduler:
         self._deliver(seqs)
         return await task
 
-    async def _verify_delivering(self, seqs: list[Sequence]) -> None:
-        """Plain decode steps for `seqs` and, while those Verify calls are in flight, deliver their held outputs.
-        A sequence a stop string ends meanwhile ignores its step's result (Sequence.commit) and is released."""
-        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, {})))
+    async def _verify_delivering(self, seqs: list[Sequence], trees=None, fused: bool = False) -> None:
+        """Verify `seqs` (plain decode steps without trees) and, while those calls are in flight, deliver their held
+        outputs. A sequence a stop string ends meanwhile ignores its step's result (Sequence.commit) and is released."""
+        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, trees or {}, fused)))
         await asyncio.sleep(0)  # let the calls go out before the host work below
         self._deliver(seqs)
         await task
@@ -474,9 +478,14 @@ class Scheduler:
             trees = await self._propose_delivering(seqs, seqs, SpecShape(adaptive_steps, 1, adaptive_steps + 1))
         else:
             trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
-            trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
+            trees.update(self.drafting.take_proposals(seqs))  # drafted by the last Verify (drafts on the target)
+            to_propose = [s for s in seqs if s.seq_id not in trees]
+            if not to_propose:  # every tree came with the last Verify: deliver while this one is in flight
+                await self._verify_delivering(seqs, trees, fused=True)
+                return
+            trees.update(await self._propose_delivering(seqs, to_propose))
         seqs = [s for s in seqs if not s.finished]  # a stop string found while delivering ends a sequence here
-        verifies = self._verifies(seqs, trees)
+        verifies = self._verifies(seqs, trees, fused=not overlap and adaptive_steps is None)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             predraft = self.drafting.predraft(self.drafting.predraft_items(seqs, trees))
             self.metrics.overlap_busy.inc(_overlap(*await asyncio.gather(_span(asyncio.gather(*verifies)),
@@ -489,30 +498,33 @@ class Scheduler:
                     if drafted else None)
             self.adaptive.observe(len(seqs), adaptive_steps, mean)
 
-    def _verifies(self, seqs: list[Sequence], trees) -> list:
+    def _verifies(self, seqs: list[Sequence], trees, fused: bool = False) -> list:
         """One Verify call per target pod for these sequences (coroutines to await together); sequences without a
-        reachable target pod wait for one."""
+        reachable target pod wait for one. fused: a pod that drafts in its own process drafts the next tree in the
+        same call (the sequential loop; not for pre-drafts or adaptive shapes)."""
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if self._route_target(seq) and not seq.needs_target_prefill:
                 groups[seq.target].append(seq)
             elif seq.target is None:
                 self._wait_for_target(seq)
-        return [self._verify_on(pod, group, trees) for pod, group in groups.items()]
+        return [self._verify_on(pod, group, trees, fused) for pod, group in groups.items()]
 
-    async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees) -> None:
+    async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees, fused: bool = False) -> None:
         items = []
         decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
             tree = trees.get(seq.seq_id, DraftTree([], []))  # an empty tree is a plain decode step
+            propose_next = self.drafting.fused(seq) if fused else None
             items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
-                                     seq.stop, self.spec.needs_features, decode_steps if not tree.token_ids else 1,
-                                     _logprobs(seq)))
+                                     seq.stop, self.spec.needs_features,
+                                     decode_steps if not tree.token_ids and propose_next is None else 1,
+                                     _logprobs(seq), propose_next))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
             if len(seqs) > 1:
-                await asyncio.gather(*(self._verify_on(pod, [seq], trees) for seq in seqs))
+                await asyncio.gather(*(self._verify_on(pod, [seq], trees, fused) for seq in seqs))
             else:
                 seqs[0].fail(GatewayError(f"target rejected the step: {exc}"))
             return
@@ -538,6 +550,8 @@ class Scheduler:
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
+                if result.proposal is not None and not seq.finished:
+                    self.drafting.keep_proposal(seq, result.proposal)
 
 
 async def _span(work) -> tuple[float, float]:

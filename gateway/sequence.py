@@ -49,6 +49,9 @@ class Sequence:
         self.accepted_draft_tokens = 0
         self.proposed_draft_tokens = 0
         self.predraft: Predraft | None = None  # overlapped drafting: the tree pre-drafted for the next step
+        # a draft in the target pod's process: the tree it drafted right after the last Verify (VerifyInput.
+        # propose_next) for the next step; a Predraft with no guessed tail
+        self.proposal: Predraft | None = None
         self.predraft_hits = 0
         self.predraft_misses = 0
         self.cached_prompt_tokens = 0  # prompt tokens the target's prefix cache served at the first prefill

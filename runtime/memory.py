@@ -68,6 +68,12 @@ def auto_mem_fraction_static(total_bytes: int) -> float:
     return round(max(0.1, min(0.9, (total_bytes - reserve) / total_bytes)), 3)
 
 
+def draft_memory_part(draft_bytes: float, target_bytes: float) -> float:
+    """The part of a GPU's static memory a draft model gets beside its target: in proportion to the checkpoint sizes,
+    within 10%..50% (both in one process with --colocate-draft, or two processes sharing the GPU)."""
+    return min(0.5, max(0.1, draft_bytes / (draft_bytes + target_bytes)))
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for one block of tokens."""
     element = torch.empty((), dtype=dtype).element_size()

@@ -77,6 +77,13 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                        help="tensor-parallel ranks of the target (one process per rank; gloo on CPU, NCCL on CUDA; "
                             "the model's heads, KV heads (or their multiple) and MLP width must divide evenly; CUDA "
                             "graphs are off when > 1)")
+    if tp:
+        g.add_argument("--colocate-draft", action="store_true",
+                       help="run the draft model inside the target's process (as SGLang does) instead of a draft "
+                            "service of its own: the target pod serves DraftService too, hands the draft its features "
+                            "on the device, and drafts the next tree in the same call as each Verify (one round trip "
+                            "per step); the gateway finds it from the target's Info. Not with --tp-size > 1"
+                            + ("; `serve` then starts no draft process" if launcher else ""))
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,
                        help="GPU of the draft service (cuda:N), e.g. one the target does not use (default: --device)")
@@ -207,6 +214,13 @@ def add_service_ops_args(p: argparse.ArgumentParser, *, launcher: bool = False) 
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None,
                    help="PEM CA of client certificates; set = mTLS (clients must present a certificate it signed)")
+
+
+def colocates_draft(args: argparse.Namespace) -> bool:
+    """--colocate-draft in effect: an algorithm with a draft service of its own (not NONE, not UNO, whose target pods
+    draft anyway) whose draft runs in the target's process."""
+    entry = algorithms.get(getattr(args, "speculative_algorithm", None))
+    return bool(getattr(args, "colocate_draft", False)) and entry.drafts and not entry.drafts_on_target
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import DraftModel
+from tandem.args import colocates_draft
 from tandem.verify_flags import verify_notes
 
 @dataclass(frozen=True)
@@ -150,6 +151,17 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
     if entry.drafts_on_target:  # UNO: the target pods draft; `serve` starts no draft process
         notes += [f"--{d.replace('_', '-')} is ignored for {entry.name}: the target pods draft (no draft process)"
                   for d in ("num_draft_replicas", "draft_port", "draft_base_gpu_id") if given(d)]
+    if getattr(args, "colocate_draft", False):
+        if not colocates_draft(args):
+            notes.append(f"--colocate-draft is ignored for {_algo(entry)}: "
+                         + ("its target pods draft anyway" if entry.drafts_on_target else "nothing drafts"))
+        else:
+            notes += [f"--{d.replace('_', '-')} is ignored with --colocate-draft: the draft runs in the target's "
+                      "process" for d in ("num_draft_replicas", "draft_port", "draft_base_gpu_id") if given(d)]
+            if getattr(args, "enable_overlap_drafting", False):
+                notes.append("--enable-overlap-drafting is ignored with --colocate-draft: a pre-draft needs the draft "
+                             "beside the target, not in its process (each Verify drafts the next tree instead)")
+                args.enable_overlap_drafting = False
     notes += verify_notes(args)
     if entry.draft_model is DraftModel.NONE:
         for dest in ("speculative_draft_model_path", "speculative_draft_load_format",

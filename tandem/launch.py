@@ -19,7 +19,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import DraftModel, ShapeRule
-from tandem.args import draft_model_path, model_path
+from tandem.args import colocates_draft, draft_model_path, model_path
 from tandem.verify_flags import verify_flags
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is restarted
@@ -131,11 +131,12 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
         port = args.target_port + i if args.target_port else _free_port(host)
         cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
                                "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
-                               "--max-verify-tree-nodes", str(args.max_verify_tree_nodes)]
+                               "--max-verify-tree-nodes", str(args.max_verify_tree_nodes),
+                               *(["--colocate-draft"] if colocates_draft(args) else [])]
         target_addrs.append(f"{host}:{port}")
     entry = algorithms.get(args.speculative_algorithm)
-    if entry.drafts_on_target:  # UNO: every target pod also serves DraftService; no draft process
-        draft_addrs = list(target_addrs)
+    if entry.drafts_on_target or colocates_draft(args):  # UNO, --colocate-draft: every target pod also serves
+        draft_addrs = list(target_addrs)  # DraftService from its own process; no draft process
     elif entry.drafts:
         for i in range(args.num_draft_replicas):
             port = args.draft_port + i if args.draft_port else _free_port(host)
@@ -199,7 +200,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
     tp_size = getattr(args, "tp_size", 1)
     placed: dict[int, dict[str, float]] = {}  # gpu -> {process: weight}
     draft_loads_model = algorithms.get(args.speculative_algorithm).draft_model is not DraftModel.NONE
-    target_size = _checkpoint_bytes(model_path(args)) or 1
+    target_size = checkpoint_bytes(model_path(args)) or 1
     for name in names:
         if name.startswith("target-"):
             i = int(name.split("-")[1])
@@ -209,7 +210,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
         elif name.startswith("draft-") and draft_loads_model:
             gpu = args.draft_base_gpu_id if getattr(args, "draft_base_gpu_id", None) is not None else default_gpu
             draft = draft_model_path(args)
-            size = _checkpoint_bytes(draft) if draft else None
+            size = checkpoint_bytes(draft) if draft else None
             placed.setdefault(gpu, {})[name] = size if size is not None else target_size / 4
     if total_bytes_of is None:
         import torch
@@ -217,7 +218,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
         def total_bytes_of(gpu: int) -> int:
             return torch.cuda.get_device_properties(gpu).total_memory
 
-    from runtime.memory import auto_mem_fraction_static
+    from runtime.memory import auto_mem_fraction_static, draft_memory_part
 
     shares = {}
     for gpu, weights in placed.items():
@@ -226,7 +227,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
         drafts = {n: w for n, w in weights.items() if n.startswith("draft-")}
         draft_part = 0.0
         if drafts and targets:  # drafts share in proportion to size, within bounds
-            draft_part = min(0.5, max(0.1, sum(drafts.values()) / sum(weights.values())))
+            draft_part = draft_memory_part(sum(drafts.values()), sum(targets.values()))
         elif drafts:
             draft_part = 1.0
         for group, part in ((targets, 1.0 - draft_part), (drafts, draft_part)):
@@ -235,7 +236,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
     return shares
 
 
-def _checkpoint_bytes(path: str) -> int | None:
+def checkpoint_bytes(path: str) -> int | None:
     """Bytes of a checkpoint folder's safetensors files (None when there are none, e.g. dummy weights)."""
     files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     return sum(f.stat().st_size for f in files) or None
@@ -287,7 +288,7 @@ def ports_in_use(args: argparse.Namespace) -> list[str]:
 def _num_drafts(args: argparse.Namespace) -> int:
     """Draft processes `serve` starts (none when nothing drafts, or when the target pods draft themselves)."""
     entry = algorithms.get(args.speculative_algorithm)
-    return args.num_draft_replicas if entry.drafts and not entry.drafts_on_target else 0
+    return args.num_draft_replicas if entry.drafts and not entry.drafts_on_target and not colocates_draft(args) else 0
 
 
 def _summary(args: argparse.Namespace, names: list[str]) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import TargetFeatures
-from tandem.args import draft_model_path, model_path
+from tandem.args import colocates_draft, draft_model_path, model_path
 
 logger = logging.getLogger("tandem")
 
@@ -130,9 +130,12 @@ async def run_target(args: argparse.Namespace) -> None:
 
     path = model_path(args)
     weights = None if args.load_format == "dummy" and not Path(path).exists() else path
+    tp_size = getattr(args, "tp_size", 1)
+    if colocates_draft(args) and tp_size > 1:
+        raise SystemExit("error: --colocate-draft needs --tp-size 1 (the draft runs beside rank 0's model)")
+    args, draft_args = _colocated_memory(args)
     engine_config = _engine_config(args, target=True)
     started = _loading("target", path, engine_config)
-    tp_size = getattr(args, "tp_size", 1)
     launcher = None
     if tp_size > 1:
         from target_service.tp import TPLauncher
@@ -156,7 +159,10 @@ async def run_target(args: argparse.Namespace) -> None:
     _static_verify(engine, args)
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     # UNO: this pod also plays the draft role (registry drafts_on_target): DraftService over the target engine.
+    # --colocate-draft: the draft service's proposer, built in this process on this device.
     proposer = entry.proposer_factory()(engine, args) if entry.drafts_on_target else None
+    if colocates_draft(args):
+        proposer, _ = build_proposer(draft_args)
     server, port = await serve_target(engine, path,
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
@@ -170,6 +176,33 @@ async def run_target(args: argparse.Namespace) -> None:
     finally:
         if launcher is not None:
             launcher.stop()
+
+
+def _colocated_memory(args: argparse.Namespace) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(the target's flags, the co-located draft's): with --colocate-draft on CUDA the process's static memory
+    fraction (--mem-fraction-static, or this GPU's automatic one) is split between the two models as `tandem serve`
+    splits a GPU between two processes (runtime.memory.draft_memory_part). Otherwise both are `args`."""
+    if not colocates_draft(args) or args.max_total_tokens:
+        return args, args
+    from tandem.compat import resolve_device
+
+    gpu = getattr(args, "base_gpu_id", None)
+    device = f"cuda:{gpu}" if gpu is not None else str(resolve_device(args.device))
+    if not device.startswith("cuda"):
+        return args, args
+    from runtime.memory import draft_memory_part
+    from tandem.launch import checkpoint_bytes
+
+    entry = algorithms.get(args.speculative_algorithm)
+    total = args.mem_fraction_static or _auto_mem_fraction(device)
+    draft = draft_model_path(args)
+    target_size = checkpoint_bytes(model_path(args)) or 1
+    draft_size = (checkpoint_bytes(draft) if draft else None) or target_size / 4
+    part = 0.0 if entry.draft_model is algorithms.DraftModel.NONE else draft_memory_part(draft_size, target_size)
+    target_args, draft_args = argparse.Namespace(**vars(args)), argparse.Namespace(**vars(args))
+    target_args.mem_fraction_static = round(total * (1.0 - part), 3)
+    draft_args.mem_fraction_static = round(total * part, 3) if part else None
+    return target_args, draft_args
 
 
 def _accept_thresholds(args: argparse.Namespace):
@@ -353,6 +386,17 @@ async def run_gateway(args: argparse.Namespace) -> None:
     infos = await asyncio.gather(*(_wait_for_pod(t, "target", args.startup_timeout) for t in targets))
     draft_infos = await asyncio.gather(*(_wait_for_pod(d, "draft", args.startup_timeout) for d in drafts))
     info = infos[0]
+    spec_name = algorithms.get(args.speculative_algorithm).name
+    # Target pods that draft in their own process (--colocate-draft, UNO) say so in their Info: the gateway routes
+    # each sequence's Propose to its target pod and has every Verify draft the next tree.
+    on_target = spec_name != algorithms.NONE.name and all(i.algorithm == spec_name for i in infos)
+    if on_target and not drafts:
+        drafts = [DraftClient(t.address, credentials=creds, step_streams=streams, service_api_key=key)
+                  for t in targets]
+    elif on_target and {d.address for d in drafts} != {t.address for t in targets}:
+        logger.info("the target pods draft %s themselves, but --draft-address names other pods: drafting there, "
+                    "one Propose and one Verify per step", spec_name)
+        on_target = False
     tokenizer = Tokenizer(args.tokenizer_path or path)
     served = list(args.served_model_name or [])
     name = served[0] if served else Path(path).name
@@ -376,6 +420,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                  enable_overlap_drafting=args.enable_overlap_drafting,
                                  overlap_schedule=_overlap_schedule(args, infos, draft_infos),
                                  num_continuous_decode_steps=continuous_decode_steps(args), routing=routing,
+                                 drafts_on_target=on_target,
                                  pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.steps import PrefillInput, StepOutput, VerifyInput
+from core.steps import PrefillInput, SpecShape, StepOutput, VerifyInput
 from core.types import DraftTree, FinishReason, SamplingParams, StopRule
+from draft_service.convert import propose_result  # a co-located draft's proposal rides in the VerifyResult
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.wire import tensor_from_pb, tensor_to_pb
 from target_service.engine import MAX_DECODE_STEPS, MAX_TOP_LOGPROBS, Status
@@ -115,7 +116,10 @@ def verify_inputs(request: pb.VerifyRequest, limits: Limits | None = None) -> li
         return VerifyInput(seq_id=s.seq_id, committed_len=s.committed_len, root_token_id=s.root_token_id,
                            tree=tree_from_pb(s.tree, limits), sampling=sampling_from_pb(s.sampling, vocab),
                            stop=stop_from_pb(s.stop), return_features=s.return_features,
-                           num_decode_steps=max(1, s.num_decode_steps), logprobs=logprobs_from_pb(s))
+                           num_decode_steps=max(1, s.num_decode_steps), logprobs=logprobs_from_pb(s),
+                           propose_next=(SpecShape(s.propose_next.num_steps, max(1, s.propose_next.topk),
+                                                   s.propose_next.num_draft_tokens)
+                                         if s.HasField("propose_next") else None))
 
     return _per_seq(request.seqs, one)
 
@@ -148,6 +152,8 @@ def verify_result(out: StepOutput) -> pb.VerifyResult:
                           logprobs=_logprobs_pb(out))
     if out.features is not None:
         msg.features.CopyFrom(tensor_to_pb(out.features))
+    if out.proposal is not None:
+        msg.proposal.CopyFrom(propose_result(out.proposal))
     return msg
 
 

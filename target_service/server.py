@@ -22,6 +22,9 @@ from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
 from runtime.memory import accelerator_id
+from core.steps import ProposeInput, ProposeOutput, StepOutput, VerifyInput
+from core.types import SeqStatus as Status
+from draft_service.convert import check_spec
 from target_service import convert
 from target_service.engine import TargetEngine
 
@@ -39,6 +42,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.metrics = metrics  # tandem.observability.ServiceMetrics or None
         self.worker = ModelWorker("target-model", inline_steps)
         self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
+        self.drafter = None  # a DraftServicer in this process (UNO, --colocate-draft): answers propose_next
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -71,14 +75,44 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         inputs, slots = convert.split(self._owned(convert.verify_inputs(request, self.limits), caller(context)))
         self.leases.touch([inp.seq_id for inp in inputs])
         bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
-        outputs = convert.merge(slots, await self.worker.run(self.engine.verify, inputs, inline=bounded)
-                                if inputs else [])
+        verified = await self.worker.run(self.engine.verify, inputs, inline=bounded) if inputs else []
+        forward_ms = self.engine.last_forward_ms
         if self.metrics is not None:
-            self.metrics.observe_forward("Verify", self.engine.last_forward_ms / 1e3, len(inputs))
+            self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
+        if any(inp.propose_next is not None for inp in inputs):
+            await self._propose_next(inputs, verified)
+        outputs = convert.merge(slots, verified)
         return pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
-            timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
-                                   total_ms=(time.perf_counter() - start) * 1e3))
+            timings=pb.StepTimings(forward_ms=forward_ms, total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
+        """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from
+        this verify's outcome — the accepted tokens and, for feature drafts, their target features, handed over on
+        the device — as the Propose that would follow this Verify (one round trip per step instead of two)."""
+        items: list[tuple[StepOutput, ProposeInput]] = []
+        for inp, out in zip(inputs, outputs):
+            if inp.propose_next is None or out.status != Status.OK or out.finish_reason is not None:
+                continue
+            committed_len = inp.committed_len + len(out.token_ids)
+            if self.drafter is None:
+                out.proposal = ProposeOutput(out.seq_id, Status.INVALID, base_committed_len=committed_len,
+                                             error="this target pod drafts nothing itself (ModelInfo.algorithm)")
+                continue
+            try:
+                check_spec(inp.propose_next, self.drafter.limits)
+            except ValueError as exc:
+                out.proposal = ProposeOutput(out.seq_id, Status.INVALID, base_committed_len=committed_len,
+                                             error=f"propose_next: {exc}")
+                continue
+            # a copy: the rows of a static verify step live in its graph's output buffer, which the next replay
+            # overwrites, and the draft may keep them
+            features = out.features.clone() if out.features is not None else None
+            items.append((out, ProposeInput(out.seq_id, committed_len, list(out.token_ids), inp.propose_next,
+                                            features, sampling=None if inp.sampling.is_greedy else inp.sampling)))
+        if items:
+            for (out, _), proposal in zip(items, await self.drafter.propose_local([item for _, item in items])):
+                out.proposal = proposal
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         owner = caller(context)
@@ -89,7 +123,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     def _owned(self, items: list, owner: str) -> list:
         """Inputs naming a sequence another gateway owns become INVALID outputs."""
-        return [convert.StepOutput(i.seq_id, status=convert.Status.INVALID, error="the sequence belongs to another "
+        return [convert.StepOutput(i.seq_id, status=Status.INVALID, error="the sequence belongs to another "
                                    "gateway") if not isinstance(i, convert.StepOutput)
                 and not self.leases.allows(i.seq_id, owner) else i for i in items]
 
@@ -103,7 +137,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             model_path=self.model_path, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_context_len=self.engine.max_context_len, eos_token_ids=list(cfg.eos_token_ids),
             memory=self._memory(), device=str(self.engine.device), dtype=str(self.engine.runner.dtype),
-            protocol=PROTOCOL, hidden_size=cfg.hidden_size, accelerator=accelerator_id(self.engine.device))
+            protocol=PROTOCOL, hidden_size=cfg.hidden_size, accelerator=accelerator_id(self.engine.device),
+            algorithm=self.drafter.proposer.algorithm if self.drafter is not None else "")
 
 
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
@@ -124,6 +159,7 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
         drafter = DraftServicer(proposer, model_path, metrics=metrics, inline_steps=inline_steps,
                                 seq_idle_ttl_s=seq_idle_ttl_s)
         drafter.worker = servicer.worker
+        servicer.drafter = drafter
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))

@@ -47,7 +47,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
                       multi_layer: bool = False, draft_window_size: int | None = None,
-                      lora_path: Path | None = None):
+                      lora_path: Path | None = None, colocate: bool = False):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -59,7 +59,9 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
     multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle);
     draft_window_size: a DFLASH draft's --speculative-draft-window-size;
-    lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does."""
+    lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does;
+    colocate: the draft's proposer is served by the target server (`--colocate-draft`): every Verify drafts the next
+    tree in the same call."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -95,11 +97,6 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
 
         attach_adapter(engine, str(lora_path))
         uno = UnoProposer(engine)
-    server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
-                                      proposer=uno)
-    servers.append(server)
-    target = TargetClient(f"127.0.0.1:{port}")
-    draft = DraftClient(f"127.0.0.1:{port}") if uno is not None else None
     if algorithm == "STANDALONE":
         from draft_service.standalone import StandaloneProposer
 
@@ -114,7 +111,13 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         from draft_service.proposer import SpecShape
 
         assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)
-    if proposer is not None:
+    on_target = uno or (proposer if colocate else None)  # the target server also serves DraftService
+    server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
+                                      proposer=on_target)
+    servers.append(server)
+    target = TargetClient(f"127.0.0.1:{port}")
+    draft = DraftClient(f"127.0.0.1:{port}") if on_target is not None else None
+    if proposer is not None and on_target is None:
         server, port = await serve_draft(proposer, str(draft_path or ""), "127.0.0.1", 0, inline_steps=inline_steps)
         servers.append(server)
         draft = DraftClient(f"127.0.0.1:{port}")
@@ -126,7 +129,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
                                                  enable_overlap_drafting=enable_overlap_drafting,
                                                  num_continuous_decode_steps=num_continuous_decode_steps,
-                                                 overlap_schedule=overlap_schedule),
+                                                 overlap_schedule=overlap_schedule,
+                                                 drafts_on_target=colocate),
                           adaptive=adaptive)
     await scheduler.start()
     scheduler.test_target_runner = target_runner  # for KV-leak assertions

@@ -206,7 +206,7 @@ class TargetPrefillResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TargetPrefillResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class VerifySeq(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_features", "num_decode_steps", "return_logprobs", "top_logprobs")
+    __slots__ = ("seq_id", "committed_len", "root_token_id", "tree", "sampling", "stop", "return_features", "num_decode_steps", "return_logprobs", "top_logprobs", "propose_next")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class VerifySeq(_message.Message):
     NUM_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_NEXT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     root_token_id: int
@@ -227,7 +228,8 @@ class VerifySeq(_message.Message):
     num_decode_steps: int
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    propose_next: SpecParams
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., propose_next: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -236,7 +238,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "features", "error", "num_steps", "logprobs")
+    __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "features", "error", "num_steps", "logprobs", "proposal")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +249,7 @@ class VerifyResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -257,7 +260,8 @@ class VerifyResult(_message.Message):
     error: str
     num_steps: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    proposal: ProposeResult
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., num_steps: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., proposal: _Optional[_Union[ProposeResult, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "timings", "memory")

@@ -1,0 +1,185 @@
+"""--colocate-draft: the draft's proposer runs in the target's process, served as that pod's DraftService, and every
+Verify drafts the next tree in the same call (VerifyInput.propose_next; one round trip per step). Greedy output equals
+HF `generate`, sampled output equals the separate-pods stack's for the same seeds, the Propose RPCs stop after each
+sequence's first step, and a draft that loses a sequence is re-synced."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from core.steps import SpecShape, VerifyInput
+from core.types import DraftTree, SamplingParams, SeqStatus, StopRule
+from tests.eagle.heads import make_eagle3_head
+from tests.stack import generate_ids, local_stack, perturbed_copy
+from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colocate")
+    path = make_tiny_model("llama", root / "target", num_hidden_layers=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return path, root, hf
+
+
+def _draft(models, algorithm):
+    path, root, _ = models
+    if algorithm == "EAGLE3":
+        return make_eagle3_head(path, str(root / "eagle3"))
+    if algorithm == "STANDALONE":
+        return perturbed_copy(path, root / "standalone", noise=0.05)
+    return None
+
+
+def _count_wire_proposes(scheduler) -> list[int]:
+    """How many Propose RPCs reach the target pod's DraftService (the fused proposals are not RPCs)."""
+    drafter = scheduler.test_servers[0].drafter
+    calls = [0]
+    wire = drafter._propose
+
+    async def counted(request, context):
+        calls[0] += 1
+        return await wire(request, context)
+
+    drafter._propose = counted
+    return calls
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", [
+    ("EAGLE3", 3, 1, 4), ("EAGLE3", 4, 3, 10), ("STANDALONE", 3, 2, 6), ("NGRAM", 0, 1, 6),
+])
+async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, algorithm, steps, topk, ndt):
+    path, _, hf = models
+    async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
+                           topk=topk, num_draft_tokens=ndt, colocate=True) as scheduler:
+        assert scheduler.drafting.on_target
+        proposes = _count_wire_proposes(scheduler)
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 16 + 4 * i, request_id=f"c{i}")
+                                         for i, p in cases))
+        for (i, prompt), (got, usage, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 16 + 4 * i)
+            assert usage.verify_steps > 3
+        if algorithm != "NGRAM":
+            assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
+        # each sequence's first step proposes over the wire; every later tree came with a Verify
+        assert proposes[0] <= len(cases), proposes[0]
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_colocated_sampled_output_equals_the_separate_pods(models):
+    """Same proposer, same inputs: the fused proposals are the trees a Propose would have drafted, so seeded sampled
+    requests give the same tokens with the draft in the target's process as with a draft pod of its own."""
+    path, _, hf = models
+    outputs = []
+    for colocate in (False, True):
+        async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=2,
+                               num_draft_tokens=6, colocate=colocate) as scheduler:
+            runs = await asyncio.gather(*(generate_ids(scheduler, p, 20, temperature=0.8, seed=7 + i,
+                                                       request_id=f"s{i}")
+                                          for i, p in enumerate(prompts(hf.config.vocab_size)[:3])))
+            outputs.append([got for got, _, _ in runs])
+    assert outputs[0] == outputs[1]
+
+
+async def test_a_draft_that_loses_its_sequences_is_resynced(models):
+    """The co-located draft forgets every sequence mid-stream (as after an idle sweep): its fused proposal answers
+    STALE, the gateway re-prefills the draft from its committed list, and the output is unchanged."""
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True) as scheduler:
+        proposer = scheduler.test_proposer
+        propose, calls = proposer.propose, [0]
+
+        def forgetful(inputs):
+            calls[0] += 1
+            if calls[0] in (3, 6):
+                proposer.release([inp.seq_id for inp in inputs])
+            return propose(inputs)
+
+        proposer.propose = forgetful
+        prompt = prompts(hf.config.vocab_size)[0]
+        got, usage, _ = await generate_ids(scheduler, prompt, 24)
+        assert got == hf_greedy(hf, prompt, 24)
+        assert calls[0] > 6 and usage.proposed_draft_tokens > 0
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_propose_next_to_a_target_without_a_draft_is_invalid_for_the_proposal_only(models):
+    path, _, hf = models
+    async with local_stack(path) as scheduler:
+        target = scheduler.targets.clients[0]
+        prompt = prompts(hf.config.vocab_size)[0]
+        from core.steps import PrefillInput
+
+        greedy = SamplingParams()
+        stop = StopRule(8, frozenset(), True, len(prompt))
+        [pre] = await target.prefill([PrefillInput("x", prompt, True, greedy, stop)])
+        [out] = await target.verify([VerifyInput("x", len(prompt) + 1, pre.token_ids[0], DraftTree([], []), greedy,
+                                                 stop, propose_next=SpecShape(3, 1, 4))])
+        assert out.status == SeqStatus.OK and len(out.token_ids) == 1
+        assert out.proposal is not None and out.proposal.status == SeqStatus.INVALID
+        assert "drafts nothing" in out.proposal.error
+        await target.release(["x"])
+
+
+# ---------------------------------------------------------------- flags and the launcher
+def _serve(*flags: str):
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *flags])
+    args.speculative_algorithm = args.speculative_algorithm or "NONE"
+    args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
+    return args
+
+
+class _Props:
+    total_memory = 80 * 2**30
+
+
+def test_serve_colocate_starts_no_draft_process_and_splits_the_target_processes_memory(monkeypatch):
+    from tandem.launch import commands
+    from tandem.services import _colocated_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props())
+    args = _serve("--device", "cuda", "--speculative-algorithm", "STANDALONE", "--colocate-draft")
+    cmds = commands(args)
+    assert not [n for n in cmds if n.startswith("draft-")]
+    target, gateway = cmds["target-0"], cmds["gateway"]
+    assert "--colocate-draft" in target
+    address = target[target.index("--service-host") + 1] + ":" + target[target.index("--service-port") + 1]
+    assert gateway[gateway.index("--draft-address") + 1] == address
+    whole = float(target[target.index("--mem-fraction-static") + 1])
+    assert whole == pytest.approx(0.875)  # the only process on the GPU: the whole budget ...
+    from tandem.cli import build_parser
+
+    child = build_parser().parse_args(target[3:])
+    child.speculative_algorithm = "STANDALONE"
+    target_args, draft_args = _colocated_memory(child)
+    # ... which the process splits between its two models as serve splits a GPU between two processes
+    assert target_args.mem_fraction_static + draft_args.mem_fraction_static == pytest.approx(whole, abs=2e-3)
+    assert 0.1 * whole - 1e-3 <= draft_args.mem_fraction_static <= 0.5 * whole + 1e-3
+    assert child.mem_fraction_static == whole  # the caller's flags are left alone
+    cpu = _serve("--device", "cpu", "--speculative-algorithm", "STANDALONE", "--colocate-draft")
+    assert _colocated_memory(cpu) == (cpu, cpu)
+
+
+def test_colocate_notes_where_it_does_nothing():
+    from tandem.compat import startup_warnings
+    from tandem.cli import build_parser
+
+    defaults = {a.dest: a.default for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    uno = _serve("--speculative-algorithm", "UNO", "--colocate-draft")
+    assert any("--colocate-draft is ignored for UNO" in n for n in startup_warnings(uno, defaults))
+    plain = _serve("--colocate-draft")
+    assert any("--colocate-draft is ignored" in n and "nothing drafts" in n for n in startup_warnings(plain, defaults))
+    overlap = _serve("--speculative-algorithm", "EAGLE3", "--colocate-draft", "--enable-overlap-drafting",
+                     "--num-draft-replicas", "2")
+    notes = startup_warnings(overlap, defaults)
+    assert any("--enable-overlap-drafting is ignored with --colocate-draft" in n for n in notes)
+    assert any("--num-draft-replicas is ignored with --colocate-draft" in n for n in notes)
+    assert overlap.enable_overlap_drafting is False
