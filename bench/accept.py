@@ -71,6 +71,10 @@ CONFIGS = {
 # Pre-drafting (--enable-overlap-drafting): the draft drafts step i+1 from a guess while step i verifies (A/B)
 CONFIGS.update({f"{name}-predraft": [*CONFIGS[name], "--enable-overlap-drafting"]
                 for name in ("EAGLE3-chain", "EAGLE3-tree", "NEXTN-chain", "STANDALONE-chain")})
+# The draft in the target's process (--colocate-draft): each Verify drafts the next tree, one round trip per step (A/B)
+CONFIGS.update({f"{name}-colocate": [*CONFIGS[name], "--colocate-draft"]
+                for name in ("EAGLE3-chain", "EAGLE3-tree", "EAGLE3-auto", "NEXTN-chain", "NEXTN-tree",
+                             "STANDALONE-chain", "STANDALONE-tree", "NGRAM", "NGRAM-auto", "EAGLE-tree")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

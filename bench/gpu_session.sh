@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: colocate colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -100,6 +100,24 @@ for s in $STAGES; do
           --margin-weights --batch-sizes 32 1 --configs 6/4/16@5 --max-new-tokens 96 $extra \
           --out-dir "$R/spec_services_2gpu_$mode" > "$R/spec_services_2gpu_$mode.log" 2>&1
         cat "$R/spec_services_2gpu_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_2gpu_$mode.log"
+      done ;;
+    colocate)  # --colocate-draft (the draft in the target's process, each Verify drafting the next tree: one round
+      # trip per step) vs separate draft and target processes, the demo family through tandem serve; GPU lossless first
+      timeout -s INT 150 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py -k colocate \
+        > "$R/lossless_colocate.log" 2>&1
+      grep -E "tau|passed|failed|FAILED|Error" "$R/lossless_colocate.log" | tail -6
+      timeout 400 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-colocate EAGLE3-chain EAGLE3-chain-colocate EAGLE3-auto-colocate STANDALONE-chain \
+        STANDALONE-chain-colocate NGRAM-auto NGRAM-auto-colocate --out "$R/accept_colocate.json" -- --device cuda \
+        --cuda-graph-max-bs 8 > "$R/accept_colocate.log" 2>&1
+      tail -13 "$R/accept_colocate.log" ;;
+    colocate8b)  # 8B SYNTHETIC through the services: draft process apart vs --colocate-draft (#11 efficiency >= 0.85)
+      for mode in apart colocate; do
+        extra=""; [ $mode = colocate ] && extra="--colocate"
+        timeout 260 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+          --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --max-new-tokens 128 $extra --out-dir "$R/spec_services_$mode" \
+          > "$R/spec_services_$mode.log" 2>&1
+        cat "$R/spec_services_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_$mode.log"
       done ;;
     predraft)  # pre-drafting (--enable-overlap-drafting) vs the sequential loop, draft and target on one GPU: the
       # demo family through tandem serve, then 8B SYNTHETIC through the services

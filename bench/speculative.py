@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--draft-device", default=None,
                    help="services mode: the draft service's device (default: --device), e.g. cuda:1 for draft and "
                         "target on separate GPUs")
+    p.add_argument("--colocate", action="store_true",
+                   help="services mode: the SYNTHETIC draft runs in the target's process (--colocate-draft): each "
+                        "Verify drafts the next tree, one round trip per step")
     p.add_argument("--gateway-args", default="",
                    help="services mode: extra flags of the speculative gateway, one string (e.g. "
                         "'--disable-overlap-schedule' for the overlap A/B)")

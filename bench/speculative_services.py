@@ -94,12 +94,12 @@ class Stack:
             target.append("--disable-cuda-graph")
         if args.margin_weights:
             target.append("--synthetic-margin-weights")
-        draft = ["draft", *model_flags(args.draft_device or args.device), *spec, "--service-port", str(p["draft"]),
-                 "--metrics-port", str(p["draft_m"]),
-                 "--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
-                 "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
+        synthetic = ["--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
+                     "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
         if args.head_hidden is not None:
-            draft += ["--synthetic-head-hidden", str(args.head_hidden)]
+            synthetic += ["--synthetic-head-hidden", str(args.head_hidden)]
+        draft = ["draft", *model_flags(args.draft_device or args.device), *spec, "--service-port", str(p["draft"]),
+                 "--metrics-port", str(p["draft_m"]), *synthetic]
         # As in-process: the served shape drafts through the static step (one CUDA graph per Propose, tandem
         # serve's default); --disable-static-draft-step steps from the host (per-forward graphs with --draft-cuda-graph)
         if args.disable_cuda_graph or (args.disable_static_draft_step and not args.draft_cuda_graph):
@@ -108,10 +108,16 @@ class Stack:
             draft.append("--disable-static-draft-step")
         gateway = ["gateway", "--model-path", str(path), "--target-address", f"127.0.0.1:{p['target']}",
                    "--max-running-requests", str(max_bs), "--log-level", "warning"]
-        for name, cmd in (("target", target), ("draft", draft),
+        self.colocate = args.colocate
+        if args.colocate:  # the draft in the target's process (--colocate-draft): no draft process, one call a step
+            target += ["--colocate-draft", *synthetic]
+            if args.disable_static_draft_step:
+                target.append("--disable-static-draft-step")
+        drafts = [] if args.colocate else [("draft", draft)]
+        draft_address = [] if args.colocate else ["--draft-address", f"127.0.0.1:{p['draft']}"]
+        for name, cmd in (("target", target), *drafts,
                           ("gateway-ar", [*gateway, "--grpc-port", str(p["ar"]), "--port", str(p["ar_http"])]),
-                          ("gateway-spec", [*gateway, *spec, *shlex.split(args.gateway_args or ""),
-                                            "--draft-address", f"127.0.0.1:{p['draft']}",
+                          ("gateway-spec", [*gateway, *spec, *shlex.split(args.gateway_args or ""), *draft_address,
                                             "--grpc-port", str(p["spec"]), "--port", str(p["spec_http"])])):
             log = log_dir / f"{name}-{config.steps}-{config.topk}-{config.ndt}.log"
             self.logs.append(log)
@@ -141,8 +147,8 @@ class Stack:
                 raise RuntimeError(f"{log.name} exited with {proc.returncode}:\n{tail}")
 
     def metrics(self) -> dict:
-        return {"verify": _metric(self.ports["target_m"], "Verify"), "propose": _metric(self.ports["draft_m"],
-                                                                                         "Propose")}
+        drafts_m = self.ports["target_m" if self.colocate else "draft_m"]
+        return {"verify": _metric(self.ports["target_m"], "Verify"), "propose": _metric(drafts_m, "Propose")}
 
     def close(self) -> None:
         for c in self.channels.values():

@@ -281,3 +281,30 @@ def test_adaptive_speculation_and_continuous_decode_through_real_processes():
         assert [r.choices[0].text for r in batch] == [expected[i % 3] for i in range(8)]
     finally:
         assert s.stop() == 0
+
+
+def test_colocated_draft_through_real_processes():
+    """`tandem serve --colocate-draft`: no draft process; the target pod serves the bundled EAGLE-3 head itself (its
+    Info names the algorithm), each Verify drafts the next tree, and greedy output equals HF generate."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
+    prompt = "def quicksort(items):\n    "
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(ids))
+    expected = tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    s = Stack("--speculative-algorithm", "EAGLE3", "--colocate-draft")
+    try:
+        s.wait_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{s.target}") as ch:
+            info = pb_grpc.TargetServiceStub(ch).Info(pb.InfoRequest(), timeout=10, metadata=SERVICE_AUTH)
+        assert info.algorithm == "EAGLE3"
+        c = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", _strict_response_validation=True,
+                          max_retries=0, timeout=120)
+        resp = c.completions.create(model=DEFAULT_MODEL.name, prompt=prompt, max_tokens=32, temperature=0,
+                                    extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == expected
+        assert resp.usage.completion_tokens_details.accepted_prediction_tokens > 0
+    finally:
+        assert s.stop() == 0

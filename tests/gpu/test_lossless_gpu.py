@@ -40,23 +40,29 @@ def prompts_and_reference():
     return prompts, want
 
 
-@pytest.mark.parametrize("algorithm,draft,steps,topk,ndt", [
-    pytest.param("NONE", None, 0, 1, 1, id="plain"),
-    pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, id="standalone-chain"),
-    pytest.param("STANDALONE", DEFAULT_DRAFT, 4, 2, 8, id="standalone-tree"),
-    pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, id="eagle3-tree"),
-    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, id="eagle-chain-mtp"),
-    pytest.param("NEXTN", DEFAULT_EAGLE, 3, 4, 8, id="nextn-tree"),
-    pytest.param("NGRAM", None, 0, 1, 8, id="ngram"),
-    pytest.param("UNO", None, 1, 1, 4, id="uno-linear"),  # the target drafts: LoRA rows in an eager forward
-    pytest.param("UNO", None, 3, 4, 8, id="uno-tree"),
+@pytest.mark.parametrize("algorithm,draft,steps,topk,ndt,extra", [
+    pytest.param("NONE", None, 0, 1, 1, None, id="plain"),
+    pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, None, id="standalone-chain"),
+    pytest.param("STANDALONE", DEFAULT_DRAFT, 4, 2, 8, None, id="standalone-tree"),
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, None, id="eagle3-tree"),
+    pytest.param("EAGLE", DEFAULT_EAGLE, 3, 1, 4, None, id="eagle-chain-mtp"),
+    pytest.param("NEXTN", DEFAULT_EAGLE, 3, 4, 8, None, id="nextn-tree"),
+    pytest.param("NGRAM", None, 0, 1, 8, None, id="ngram"),
+    pytest.param("UNO", None, 1, 1, 4, None, id="uno-linear"),  # the target drafts: LoRA rows in an eager forward
+    pytest.param("UNO", None, 3, 4, 8, None, id="uno-tree"),
+    # --colocate-draft: the draft in the target's process, each Verify drafting the next tree; with the static steps
+    # the verify step's feature rows live in its graph's output buffer (the hand-over must copy them)
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, {"colocate": True, "static_steps": True},
+                 id="eagle3-tree-colocate-static"),
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 3, 1, 4, {"colocate": True}, id="eagle3-chain-colocate"),
+    pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, {"colocate": True}, id="standalone-chain-colocate"),
 ])
-async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt):
+async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt, extra):
     prompts, want = prompts_and_reference
     lora = REPO_ROOT / "models" / algorithms.get("UNO").bundled_draft if algorithm == "UNO" else None
     async with local_stack(DEFAULT_MODEL, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
                            num_draft_tokens=ndt, max_total_tokens=16384, device="cuda",
-                           dtype="float32", lora_path=lora) as scheduler:
+                           dtype="float32", lora_path=lora, **(extra or {})) as scheduler:
         results = await asyncio.gather(*(generate_ids(scheduler, p, NEW_TOKENS, request_id=f"g{i}")
                                          for i, p in enumerate(prompts)))
     got = [r[0] for r in results]
