@@ -15,7 +15,7 @@ from core.types import DraftTree, SamplingParams, SeqStatus, StopRule
 from tests.eagle.heads import make_eagle3_head
 from tests.stack import generate_ids, local_stack, perturbed_copy
 from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_dflash_draft, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,8 @@ def _draft(models, algorithm):
         return make_eagle3_head(path, str(root / "eagle3"))
     if algorithm == "STANDALONE":
         return perturbed_copy(path, root / "standalone", noise=0.05)
+    if algorithm == "DFLASH":
+        return make_tiny_dflash_draft(path, root / "dflash", block_size=4, target_layer_ids=[0, 2])
     return None
 
 
@@ -50,7 +52,7 @@ def _count_wire_proposes(scheduler) -> list[int]:
 
 
 @pytest.mark.parametrize("algorithm,steps,topk,ndt", [
-    ("EAGLE3", 3, 1, 4), ("EAGLE3", 4, 3, 10), ("STANDALONE", 3, 2, 6), ("NGRAM", 0, 1, 6),
+    ("EAGLE3", 3, 1, 4), ("EAGLE3", 4, 3, 10), ("STANDALONE", 3, 2, 6), ("NGRAM", 0, 1, 6), ("DFLASH", 1, 1, 4),
 ])
 async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, algorithm, steps, topk, ndt):
     path, _, hf = models
