@@ -74,6 +74,12 @@ class Drafting:
         if not self.spec.enabled or not len(self.pool):
             return {}
         if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
+            for seq in seqs:
+                if seq.features_on_pod and seq.features.num_rows != len(seq.committed) - 1:
+                    # its draft lost its state after fused steps whose features stayed on the pod: the target
+                    # recomputes them all in a re-prefill (next iteration), then the draft is prefilled again
+                    seq.needs_target_prefill, seq.draft_synced_len = True, 0
+                    seq.features.reset(None)
             seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:

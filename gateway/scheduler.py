@@ -368,6 +368,7 @@ class Scheduler:
             return
         for seq, result in zip(seqs, results):
             seq.needs_target_prefill = False
+            seq.features_on_pod = False
             if seq.num_output == 0:  # the first prefill: what the prompt got from the target's prefix cache
                 seq.cached_prompt_tokens = result.num_cached_tokens
             if feats:
@@ -516,8 +517,9 @@ class Scheduler:
         for seq in seqs:
             tree = trees.get(seq.seq_id, DraftTree([], []))  # an empty tree is a plain decode step
             propose_next = self.drafting.fused(seq) if fused else None
+            # a draft in the verifying pod's process takes this step's features there: they stay off the wire
             items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
-                                     seq.stop, self.spec.needs_features,
+                                     seq.stop, self.spec.needs_features and propose_next is None,
                                      decode_steps if not tree.token_ids and propose_next is None else 1,
                                      _logprobs(seq), propose_next))
         try:
@@ -535,7 +537,7 @@ class Scheduler:
                 if seq.target_failures > self.config.max_pod_failures:
                     seq.fail(Unavailable(f"target unavailable: {exc}"))
             return
-        for seq, result in zip(seqs, results):
+        for seq, item, result in zip(seqs, items, results):
             if seq.finished:  # aborted while the step was in flight
                 continue
             if result.status == STATUS_STALE:
@@ -550,6 +552,8 @@ class Scheduler:
                 if result.features is not None:
                     seq.features.append(result.features)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
+                if item.propose_next is not None and self.spec.needs_features and result.features is None:
+                    seq.features_on_pod = True  # the draft took them on the pod: the gateway's rows end before
                 if result.proposal is not None and not seq.finished:
                     self.drafting.keep_proposal(seq, result.proposal)
 

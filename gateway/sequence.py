@@ -52,6 +52,9 @@ class Sequence:
         # a draft in the target pod's process: the tree it drafted right after the last Verify (VerifyInput.
         # propose_next) for the next step; a Predraft with no guessed tail
         self.proposal: Predraft | None = None
+        # Feature drafts in the target's process: the features of fused steps went to the draft on the pod, not here
+        # (set once the log ends before the committed tokens; a Propose over the wire then needs a re-prefill)
+        self.features_on_pod = False
         self.predraft_hits = 0
         self.predraft_misses = 0
         self.cached_prompt_tokens = 0  # prompt tokens the target's prefix cache served at the first prefill

@@ -75,12 +75,20 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         inputs, slots = convert.split(self._owned(convert.verify_inputs(request, self.limits), caller(context)))
         self.leases.touch([inp.seq_id for inp in inputs])
         bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
+        # features the caller asked for; a feature draft in this process gets those of propose_next steps either way
+        wire_features = [inp.return_features for inp in inputs]
+        if self.drafter is not None and self.drafter.proposer.needs_features:
+            for inp in inputs:
+                inp.return_features = inp.return_features or inp.propose_next is not None
         verified = await self.worker.run(self.engine.verify, inputs, inline=bounded) if inputs else []
         forward_ms = self.engine.last_forward_ms
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
         if any(inp.propose_next is not None for inp in inputs):
             await self._propose_next(inputs, verified)
+        for out, asked in zip(verified, wire_features):
+            if not asked:  # handed to the draft here, not sent
+                out.features = None
         outputs = convert.merge(slots, verified)
         return pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),

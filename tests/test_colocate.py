@@ -37,6 +37,19 @@ def _draft(models, algorithm):
     return None
 
 
+def _count_target_prefills(scheduler) -> list[int]:
+    """Sequences the target prefilled (a fused step that failed would re-prefill to get the features back)."""
+    engine, count = scheduler.test_engine, [0]
+    prefill = engine.prefill
+
+    def counted(inputs):
+        count[0] += len(inputs)
+        return prefill(inputs)
+
+    engine.prefill = counted
+    return count
+
+
 def _count_wire_proposes(scheduler) -> list[int]:
     """How many Propose RPCs reach the target pod's DraftService (the fused proposals are not RPCs)."""
     drafter = scheduler.test_servers[0].drafter
@@ -59,7 +72,7 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
     async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
                            topk=topk, num_draft_tokens=ndt, colocate=True) as scheduler:
         assert scheduler.drafting.on_target
-        proposes = _count_wire_proposes(scheduler)
+        proposes, prefills = _count_wire_proposes(scheduler), _count_target_prefills(scheduler)
         cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
         results = await asyncio.gather(*(generate_ids(scheduler, p, 16 + 4 * i, request_id=f"c{i}")
                                          for i, p in cases))
@@ -70,6 +83,7 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
             assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
         # each sequence's first step proposes over the wire; every later tree came with a Verify
         assert proposes[0] <= len(cases), proposes[0]
+        assert prefills[0] == len(cases)  # no re-prefill: every fused proposal was good
         await _assert_no_kv_leak(scheduler)
 
 
@@ -104,10 +118,13 @@ async def test_a_draft_that_loses_its_sequences_is_resynced(models):
             return propose(inputs)
 
         proposer.propose = forgetful
+        prefills = _count_target_prefills(scheduler)
         prompt = prompts(hf.config.vocab_size)[0]
         got, usage, _ = await generate_ids(scheduler, prompt, 24)
         assert got == hf_greedy(hf, prompt, 24)
         assert calls[0] > 6 and usage.proposed_draft_tokens > 0
+        # the features of fused steps stayed on the pod: each re-sync re-prefilled the target to get them back
+        assert prefills[0] == 3
         await _assert_no_kv_leak(scheduler)
 
 
