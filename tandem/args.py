@@ -78,12 +78,15 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "the model's heads, KV heads (or their multiple) and MLP width must divide evenly; CUDA "
                             "graphs are off when > 1)")
     if tp:
-        g.add_argument("--colocate-draft", action="store_true",
+        g.add_argument("--colocate-draft", action=argparse.BooleanOptionalAction, default=None,
                        help="run the draft model inside the target's process (as SGLang does) instead of a draft "
                             "service of its own: the target pod serves DraftService too, hands the draft its features "
                             "on the device, and drafts the next tree in the same call as each Verify (one round trip "
-                            "per step); the gateway finds it from the target's Info. Not with --tp-size > 1"
-                            + ("; `serve` then starts no draft process" if launcher else ""))
+                            "per step); the gateway finds it from the target's Info. Not with --tp-size > 1. "
+                            + ("Default for `serve`: on when the draft would share the target's device (one draft "
+                               "replica, no --draft-base-gpu-id, --tp-size 1, no --enable-overlap-drafting; chosen by "
+                               "bench/results/colocate_h200); `serve` then starts no draft process; "
+                               "--no-colocate-draft keeps a draft process" if launcher else "Default: off"))
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,
                        help="GPU of the draft service (cuda:N), e.g. one the target does not use (default: --device)")
@@ -214,6 +217,18 @@ def add_service_ops_args(p: argparse.ArgumentParser, *, launcher: bool = False) 
     g.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g.add_argument("--tls-ca", default=None,
                    help="PEM CA of client certificates; set = mTLS (clients must present a certificate it signed)")
+
+
+def resolve_colocation(args: argparse.Namespace) -> None:
+    """`tandem serve` without --colocate-draft / --no-colocate-draft: co-locate when the draft would share the
+    target's device anyway (bench/results/colocate_h200: one round trip per step instead of two on one H200)."""
+    if getattr(args, "colocate_draft", False) is not None:
+        return
+    entry = algorithms.get(getattr(args, "speculative_algorithm", None))
+    args.colocate_draft = (entry.drafts and not entry.drafts_on_target and getattr(args, "tp_size", 1) == 1
+                           and getattr(args, "num_draft_replicas", 1) == 1
+                           and getattr(args, "draft_base_gpu_id", None) is None
+                           and not getattr(args, "enable_overlap_drafting", False))
 
 
 def colocates_draft(args: argparse.Namespace) -> bool:

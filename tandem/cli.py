@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from tandem.args import (add_gateway_args, add_hardening_args, add_model_args, add_parallel_args,
-                         add_service_ops_args, add_spec_args, resolve_spec)
+                         add_service_ops_args, add_spec_args, resolve_colocation, resolve_spec)
 from tandem.compat import SERVICE_COMMANDS, add_sglang_compat_args
 
 
@@ -143,6 +143,8 @@ def prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
      args.speculative_num_draft_tokens) = resolve_spec(args)
     check_verify_args(args)
+    if args.command == "serve":
+        resolve_colocation(args)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
     print_startup_warnings(args, {a.dest: a.default for a in sub._actions})
 

@@ -157,7 +157,8 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
                          + ("its target pods draft anyway" if entry.drafts_on_target else "nothing drafts"))
         else:
             notes += [f"--{d.replace('_', '-')} is ignored with --colocate-draft: the draft runs in the target's "
-                      "process" for d in ("num_draft_replicas", "draft_port", "draft_base_gpu_id") if given(d)]
+                      "process (--no-colocate-draft: a draft process of its own)"
+                      for d in ("num_draft_replicas", "draft_port", "draft_base_gpu_id") if given(d)]
             if getattr(args, "enable_overlap_drafting", False):
                 notes.append("--enable-overlap-drafting is ignored with --colocate-draft: a pre-draft needs the draft "
                              "beside the target, not in its process (each Verify drafts the next tree instead)")

@@ -295,7 +295,7 @@ def test_launcher_passes_the_block_shape_and_window_to_the_model_services(pair, 
 
     args = _prepare("--model-path", pair[0], "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
                     draft_dir, "--speculative-dflash-block-size", "6", "--speculative-draft-window-size", "32")
-    draft = commands(args)["draft-0"]
+    draft = commands(args)["target-0"]  # the draft runs in the target's process (serve co-locates it)
     for flag, value in (("--speculative-num-steps", "1"), ("--speculative-eagle-topk", "1"),
                         ("--speculative-num-draft-tokens", "6"), ("--speculative-draft-window-size", "32")):
         assert draft[draft.index(flag) + 1] == value

@@ -208,7 +208,7 @@ def test_multi_layer_eagle_disables_adaptive_with_a_warning_and_reaches_every_ch
     off = _prepare("--model-path", _checkpoint(tmp_path, 3), "--speculative-algorithm", "NEXTN",
                    "--no-enable-multi-layer-eagle", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
                    "--speculative-num-draft-tokens", "3")
-    assert "--no-enable-multi-layer-eagle" in commands(off)["draft-0"]  # the child must not turn it back on
+    assert "--no-enable-multi-layer-eagle" in commands(off)["target-0"]  # the child (drafting there) must not turn it back on
 
 
 def test_the_draft_service_builds_the_layer_chain_from_the_flags(mtp_target):

@@ -111,7 +111,7 @@ def test_token_map_with_eagle3_is_dropped_with_a_warning(capsys):
     args = _prepare("--speculative-algorithm", "EAGLE3", "--speculative-token-map", "/no/such/map.pt")
     assert args.speculative_token_map is None  # the draft never sees it (it used to crash on it)
     assert "--speculative-token-map is ignored for EAGLE3" in capsys.readouterr().err
-    assert "--speculative-token-map" not in commands(args)["draft-0"]
+    assert "--speculative-token-map" not in commands(args)["target-0"]  # the draft runs there (co-located)
 
 
 @pytest.mark.parametrize("flags, expected", [

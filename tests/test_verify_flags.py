@@ -119,7 +119,8 @@ def test_attention_mode_outside_its_choices_is_a_parse_error():
 
 
 def test_serve_hands_the_knobs_to_target_draft_and_gateway():
-    args = _prepare(*EAGLE_CHAIN, "--speculative-use-rejection-sampling", "--speculative-attention-mode", "decode")
+    args = _prepare(*EAGLE_CHAIN, "--speculative-use-rejection-sampling", "--speculative-attention-mode", "decode",
+                    "--no-colocate-draft")  # a draft process of its own gets them too
     cmds = commands(args)
     for name in ("target-0", "draft-0", "gateway"):
         cmd = cmds[name]

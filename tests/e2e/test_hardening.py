@@ -51,7 +51,7 @@ class Serve:
                "--num-target-replicas", "2", "--port", str(self.http), "--grpc-port", str(self.grpc),
                "--target-port", str(self.target), "--draft-port", str(self.draft), "--log-level", "warning",
                "--http-header-timeout", str(HEADER_TIMEOUT_S), "--pod-probe-interval", "0.5",
-               "--routing-policy", "consistent_hash"]
+               "--routing-policy", "consistent_hash", "--no-colocate-draft"]  # a draft process of its own
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1",
                                                    TANDEM_SERVICE_API_KEY=SERVICE_KEY))
         self.base_url = f"http://127.0.0.1:{self.http}"

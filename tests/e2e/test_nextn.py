@@ -30,9 +30,12 @@ def test_nextn_serves_the_targets_own_mtp_layer(tmp_path, num_mtp_layers):
     parser = build_parser()
     args = parser.parse_args(["serve", *flags])
     prepare(args, parser)
-    # two MTP layers and a chain of two steps: multi-layer EAGLE turns itself on (and reaches the draft service)
+    # two MTP layers and a chain of two steps: multi-layer EAGLE turns itself on (and reaches the draft, which runs
+    # in the target's process: serve co-locates a draft that shares the target's device)
     assert args.enable_multi_layer_eagle == (num_mtp_layers == 2)
-    assert ("--enable-multi-layer-eagle" in commands(args)["draft-0"]) == (num_mtp_layers == 2)
+    cmds = commands(args)
+    assert "draft-0" not in cmds and "--colocate-draft" in cmds["target-0"]
+    assert ("--enable-multi-layer-eagle" in cmds["target-0"]) == (num_mtp_layers == 2)
     resp = _greedy_equals_hf(flags, target, "def fibonacci(n):\n    ", 24)
     assert resp.usage.completion_tokens == 24
 

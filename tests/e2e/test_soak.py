@@ -49,7 +49,8 @@ class ServeStack:
                "--port", str(self.ports["http"]), "--grpc-port", str(self.ports["grpc"]),
                "--target-port", str(self.ports["target"]), "--draft-port", str(self.ports["draft"]),
                "--metrics-port", str(self.ports["metrics"]), "--metrics-host", "127.0.0.1",
-               "--max-running-requests", "64", "--log-level", "warning"]
+               "--max-running-requests", "64", "--log-level", "warning",
+               "--no-colocate-draft"]  # the three-process topology: a draft process and its metrics port
         env = dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_SERVICE_API_KEY=SERVICE_KEY)
         self.proc = subprocess.Popen(cmd, env=env)
         self.base_url = f"http://127.0.0.1:{self.ports['http']}"

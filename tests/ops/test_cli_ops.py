@@ -72,7 +72,8 @@ def test_serve_with_mtls_api_key_json_logs_and_metrics(tiny_model, certs, tmp_pa
            "--metrics-host", "127.0.0.1", "--log-format", "json", "--log-level", "info",
            "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-ca", str(certs.ca),
            "--service-tls-ca", str(certs.ca), "--service-tls-cert", str(certs.client_cert),
-           "--service-tls-key", str(certs.client_key)]
+           "--service-tls-key", str(certs.client_key),
+           "--no-colocate-draft"]  # a draft process of its own: the draft hop over mTLS
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", TANDEM_API_KEY="sk-e2e"))
