@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: colocate colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -111,6 +111,12 @@ for s in $STAGES; do
         STANDALONE-chain-colocate NGRAM-auto NGRAM-auto-colocate --out "$R/accept_colocate.json" -- --device cuda \
         --cuda-graph-max-bs 8 > "$R/accept_colocate.log" 2>&1
       tail -13 "$R/accept_colocate.log" ;;
+    colocate_demo)  # the demo half of `colocate` alone (the user path, batch 1)
+      timeout 500 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-colocate EAGLE3-chain-colocate EAGLE3-auto-colocate STANDALONE-chain STANDALONE-chain-colocate \
+        NGRAM-auto-colocate --out "$R/accept_colocate.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_colocate.log" 2>&1
+      tail -13 "$R/accept_colocate.log"; grep -E "KV pool|Error|error" "$R/accept_colocate.log" | head -5 ;;
     colocate8b)  # 8B SYNTHETIC through the services: draft process apart vs --colocate-draft (#11 efficiency >= 0.85)
       for mode in apart colocate; do
         extra=""; [ $mode = colocate ] && extra="--colocate"

@@ -75,6 +75,13 @@ class ModelRunner:
         self.tp = tp if tp is not None and tp.size > 1 else None
         if self.tp is not None and model is not None:
             raise ValueError("tensor parallelism needs the runner to load the model itself")
+        # Device bytes held before this runner's own weights: another runner in this process (a draft beside its
+        # target, --colocate-draft) holds its weights and KV pool there; the KV sizing counts this runner's only.
+        held_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        if model is not None:  # built before this runner (an EAGLE head's loader): its tensors are this runner's
+            held_before -= sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                               if t.device == self.device)
+        self._held_before = max(0, held_before)
         self.model = model if model is not None else load_model(model_path, model_config, engine_config, self.tp)
         shard = TPShard.of(model_config, self.tp.rank, self.tp.size) if self.tp is not None else None
         self.num_local_heads = shard.num_heads if shard else model_config.num_heads
@@ -178,7 +185,7 @@ class ModelRunner:
         """Run warm-up forwards on a small temporary KV pool (a long prefill, and the widest decode/verify logits
         the graphs may see), then size the real pool from what the weights and the activation peak left."""
         cfg, ec = self.model_config, self.engine_config
-        weights_bytes = torch.cuda.memory_allocated(self.device)
+        weights_bytes = torch.cuda.memory_allocated(self.device) - self._held_before
         chunk = ec.chunked_prefill_size
         prefill_len = min(chunk if chunk and chunk > 0 else _WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)
         wide_len = min(max(1, ec.cuda_graph_max_bs) * (ec.cuda_graph_num_draft_tokens or 1), cfg.max_position_embeddings)
