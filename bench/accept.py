@@ -75,6 +75,12 @@ CONFIGS.update({f"{name}-predraft": [*CONFIGS[name], "--enable-overlap-drafting"
 CONFIGS.update({f"{name}-colocate": [*CONFIGS[name], "--colocate-draft"]
                 for name in ("EAGLE3-chain", "EAGLE3-tree", "EAGLE3-auto", "NEXTN-chain", "NEXTN-tree",
                              "STANDALONE-chain", "STANDALONE-tree", "NGRAM", "NGRAM-auto", "EAGLE-tree")})
+# A draft process of its own (serve co-locates a draft sharing the target's device by default: the A/B)
+CONFIGS.update({f"{name}-apart": [*CONFIGS[name], "--no-colocate-draft"]
+                for name in ("EAGLE3-chain", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain", "NGRAM-auto")})
+# Co-located speculative steps back to back: k verify+draft steps per Verify call (--num-continuous-decode-steps)
+CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-continuous-decode-steps", str(k)]
+                for name in ("EAGLE3-chain", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain") for k in (2, 4)})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

@@ -52,7 +52,8 @@ class SchedulerConfig:
     # picks per batch size, "on" always splits batches of >= 2, "off" (--disable-overlap-schedule) never does.
     overlap_schedule: str = "auto"
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
-    # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
+    # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens. With the draft in
+    # the target's process (drafts_on_target) speculative steps too: verify, draft, verify, ... in one call.
     num_continuous_decode_steps: int = 1
     # The target pods draft in their own process (`--colocate-draft`; UNO by its registry entry): Propose goes to the
     # pod holding the sequence and every Verify drafts the next tree in the same call (one round trip per step).
@@ -520,7 +521,8 @@ class Scheduler:
             # a draft in the verifying pod's process takes this step's features there: they stay off the wire
             items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
                                      seq.stop, self.spec.needs_features and propose_next is None,
-                                     decode_steps if not tree.token_ids and propose_next is None else 1,
+                                     # plain decode steps, or speculative steps with a draft in the pod's process
+                                     1 if tree.token_ids and propose_next is None else decode_steps,
                                      _logprobs(seq), propose_next))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))

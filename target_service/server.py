@@ -10,8 +10,11 @@ unused for the idle TTL are freed (protos/leases.py). Nothing here holds model s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+
+import torch
 
 from protos import leases
 from protos.errors import ErrorInterceptor
@@ -80,12 +83,18 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self.drafter is not None and self.drafter.proposer.needs_features:
             for inp in inputs:
                 inp.return_features = inp.return_features or inp.propose_next is not None
+        # propose_next with num_decode_steps k > 1: k speculative steps (verify, then draft) back to back, below
+        steps = [inp.num_decode_steps for inp in inputs]
+        for inp in inputs:
+            if inp.propose_next is not None:
+                inp.num_decode_steps = 1
         verified = await self.worker.run(self.engine.verify, inputs, inline=bounded) if inputs else []
         forward_ms = self.engine.last_forward_ms
-        if self.metrics is not None:
-            self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
         if any(inp.propose_next is not None for inp in inputs):
             await self._propose_next(inputs, verified)
+            forward_ms += await self._speculative_steps(inputs, verified, steps, wire_features)
+        if self.metrics is not None:
+            self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
         for out, asked in zip(verified, wire_features):
             if not asked:  # handed to the draft here, not sent
                 out.features = None
@@ -93,6 +102,42 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=forward_ms, total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def _speculative_steps(self, inputs: list[VerifyInput], outputs: list[StepOutput], steps: list[int],
+                                 wire_features: list[bool]) -> float:
+        """Continuous speculative steps (a draft in this process, propose_next with num_decode_steps k > 1): verify the
+        tree the draft just returned, draft the next, and again, until a sequence has run k steps, finished, or got
+        no proposal; each output then covers all its steps (tokens, counts, logprobs, features) and carries the last
+        proposal. One call, one round trip, for k steps (SGLang's --num-continuous-decode-steps, speculative).
+        Returns the milliseconds of the verify forwards."""
+        forward_ms = 0.0
+        runs = [(inp, out, k, asked) for inp, out, k, asked in zip(inputs, outputs, steps, wire_features)
+                if inp.propose_next is not None and k > 1]
+        while True:
+            runs = [(inp, out, k, asked) for inp, out, k, asked in runs
+                    if out.num_steps < k and out.status == Status.OK and out.finish_reason is None
+                    and out.proposal is not None and out.proposal.status == Status.OK]
+            if not runs:
+                return forward_ms
+            nexts = [dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
+                                         root_token_id=out.token_ids[-1], tree=out.proposal.tree)
+                     for inp, out, _, _ in runs]
+            results = await self.worker.run(self.engine.verify, nexts, inline=True)
+            forward_ms += self.engine.last_forward_ms
+            await self._propose_next(nexts, results)
+            for (_, out, _, asked), res in zip(runs, results):
+                if res.status != Status.OK:  # the steps before stand; the next call meets the problem again
+                    out.proposal = None
+                    continue
+                out.token_ids += res.token_ids
+                out.num_accepted_drafts += res.num_accepted_drafts
+                out.num_draft_tokens += res.num_draft_tokens
+                out.num_steps += res.num_steps
+                out.finish_reason, out.proposal = res.finish_reason, res.proposal
+                if out.logprobs is not None and res.logprobs:
+                    out.logprobs += res.logprobs
+                if asked and out.features is not None and res.features is not None:
+                    out.features = torch.cat([out.features, res.features])
 
     async def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from

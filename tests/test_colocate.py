@@ -87,6 +87,62 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
         await _assert_no_kv_leak(scheduler)
 
 
+def _count_verify_calls(scheduler) -> list[int]:
+    servicer, calls = scheduler.test_servers[0].servicer, [0]
+    verify = servicer._verify
+
+    async def counted(request, context):
+        calls[0] += 1
+        return await verify(request, context)
+
+    servicer._verify = counted
+    return calls
+
+
+async def _run(scheduler, prompt, max_new, request_id, **sampling):
+    """(tokens, logprobs, usage) of one request, with each token's logprob and 2 alternatives."""
+    from gateway.types import GenerateParams, request_sampling
+
+    params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new,
+                            sampling=request_sampling(**sampling), detokenize=False, logprobs=2)
+    tokens, logprobs, usage = [], [], None
+    async for chunk in scheduler.generate(params):
+        tokens += chunk.token_ids
+        logprobs += chunk.logprobs or []
+        usage = chunk.usage or usage
+    return tokens, logprobs, usage
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", [("EAGLE3", 3, 2, 6), ("STANDALONE", 3, 1, 4)])
+async def test_continuous_speculative_steps_in_the_target_pod(models, algorithm, steps, topk, ndt):
+    """--num-continuous-decode-steps 3 with the draft in the target's process: one Verify call runs up to three
+    speculative steps (verify, draft, verify, ...). Tokens and logprobs equal one step per call's, greedy equals HF,
+    seeded sampled requests are unchanged, and the calls are about a third of the steps."""
+    path, _, hf = models
+    cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+    runs = {}
+    for k in (1, 3):
+        async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
+                               topk=topk, num_draft_tokens=ndt, colocate=True,
+                               num_continuous_decode_steps=k) as scheduler:
+            calls = _count_verify_calls(scheduler)
+            greedy = await asyncio.gather(*(_run(scheduler, p, 18 + 3 * i, f"g{i}", temperature=0.0)
+                                            for i, p in cases))
+            sampled = await asyncio.gather(*(_run(scheduler, p, 18, f"s{i}", temperature=0.9, seed=11 + i)
+                                             for i, p in cases))
+            runs[k] = greedy, sampled, calls[0]
+            await _assert_no_kv_leak(scheduler)
+    for (i, prompt), (tokens, logprobs, usage) in zip(cases, runs[3][0]):
+        assert tokens == hf_greedy(hf, prompt, 18 + 3 * i)
+        assert len(logprobs) == len(tokens)
+    for k1, k3 in zip([*runs[1][0], *runs[1][1]], [*runs[3][0], *runs[3][1]]):
+        assert k1[0] == k3[0]  # tokens
+        assert [lp for lp, _, _ in k1[1]] == pytest.approx([lp for lp, _, _ in k3[1]], abs=1e-4)
+        assert k1[2].verify_steps == k3[2].verify_steps
+    steps_run = sum(u.verify_steps for _, _, u in [*runs[3][0], *runs[3][1]])
+    assert runs[3][2] < 0.6 * runs[1][2] and runs[3][2] < 0.6 * steps_run, (runs[1][2], runs[3][2], steps_run)
+
+
 async def test_colocated_sampled_output_equals_the_separate_pods(models):
     """Same proposer, same inputs: the fused proposals are the trees a Propose would have drafted, so seeded sampled
     requests give the same tokens with the draft in the target's process as with a draft pod of its own."""
