@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: colocate_k colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -117,6 +117,18 @@ for s in $STAGES; do
         NGRAM-auto-colocate --out "$R/accept_colocate.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_colocate.log" 2>&1
       tail -13 "$R/accept_colocate.log"; grep -E "KV pool|Error|error" "$R/accept_colocate.log" | head -5 ;;
+    colocate_k)  # continuous speculative steps with the draft in the target's process (serve's default since the ninth
+      # session): k verify+draft steps per Verify call, k = 1 (default) / 2 / 4 -- the demo path, then 8B services
+      timeout 330 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree EAGLE3-tree-k2 \
+        EAGLE3-tree-k4 EAGLE3-auto EAGLE3-auto-k4 STANDALONE-chain STANDALONE-chain-k4 --out "$R/accept_k.json" -- \
+        --device cuda --cuda-graph-max-bs 8 > "$R/accept_k.log" 2>&1
+      tail -11 "$R/accept_k.log"
+      for k in 2 4; do
+        timeout 110 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+          --configs 5/1/6@3.5 6/4/16@5 --max-new-tokens 128 --colocate "--gateway-args=--num-continuous-decode-steps $k" \
+          --out-dir "$R/spec_services_k$k" > "$R/spec_services_k$k.log" 2>&1
+        cat "$R/spec_services_k$k/results.md" 2>/dev/null || tail -5 "$R/spec_services_k$k.log"
+      done ;;
     colocate8b)  # 8B SYNTHETIC through the services: draft process apart vs --colocate-draft (#11 efficiency >= 0.85)
       for mode in apart colocate; do
         extra=""; [ $mode = colocate ] && extra="--colocate"
