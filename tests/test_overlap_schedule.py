@@ -212,7 +212,8 @@ async def _texts(scheduler, prompts_ids, stops, max_new=40):
 
 
 @pytest.mark.parametrize("algorithm,overlap", [("STANDALONE", "off"), ("STANDALONE", "on"), ("NONE", "off"),
-                                               ("EAGLE3", "predraft")])
+                                               ("EAGLE3", "predraft"), ("EAGLE3", "colocate"),
+                                               ("EAGLE3", "colocate-k4")])
 async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_critical_path(algorithm, overlap):
     """Outputs are detokenized and stop-matched while the next call is in flight (Sequence.deliver): the next
     Propose, or with plain decoding (4 decode steps per call) the next Verify. A stop string found then truncates
@@ -228,6 +229,11 @@ async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_c
         num_continuous_decode_steps=4)
     if overlap == "predraft":  # pre-drafts (the bundled EAGLE-3 head): a stop inside a pre-drafted step's tokens
         shape = dict(draft_path=DEFAULT_EAGLE3, num_steps=3, topk=1, num_draft_tokens=4, enable_overlap_drafting=True)
+        overlap = "auto"
+    elif overlap.startswith("colocate"):  # the draft in the target's process: each Verify drafts the next tree, and
+        # with k = 4 one call runs four speculative steps (a stop string may match in the first of them)
+        shape = dict(draft_path=DEFAULT_EAGLE3, num_steps=3, topk=2, num_draft_tokens=6, colocate=True,
+                     num_continuous_decode_steps=4 if overlap.endswith("k4") else 1)
         overlap = "auto"
     async with local_stack(DEFAULT_MODEL, algorithm=algorithm, tokenizer=tokenizer, overlap_schedule=overlap,
                            **shape) as scheduler:
