@@ -158,7 +158,8 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
         proc.wait(timeout=30)
     return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
             "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
-            "tokens_per_s": tokens / elapsed, "seconds": elapsed, **rpc_ms, "outputs": outputs}
+            "tokens_per_s": tokens / elapsed, "seconds": elapsed, "ms_per_step": 1e3 * elapsed / steps, **rpc_ms,
+            "outputs": outputs}
 
 
 def gateway_rpc_ms(http_port: int) -> dict:
@@ -173,6 +174,7 @@ def gateway_rpc_ms(http_port: int) -> dict:
         total = sum(float(v) for v in re.findall(rf"^tandem:{name}_seconds_sum(?:{{[^}}]*}})? (\S+)$", text, re.M))
         count = sum(float(v) for v in re.findall(rf"^tandem:{name}_seconds_count(?:{{[^}}]*}})? (\S+)$", text, re.M))
         out[f"{name.split('_')[0]}_rpc_ms"] = 1e3 * total / count if count else 0.0
+        out[f"{name.split('_')[0]}_rpcs"] = int(count)  # a co-located draft: Propose RPCs only for first steps
     return out
 
 
@@ -237,14 +239,15 @@ def main() -> None:
         if ar and "outputs" in r and args.temperature == 0:  # greedy speculation must reproduce plain decoding
             r["identical_to_ar"] = r["outputs"] == ar["outputs"]
     print(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results], indent=2))
-    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | Propose RPC ms | Verify RPC ms | "
-          "output == AR |\n|---|---|---|---|---|---|---|---|")
+    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | ms per step | Propose RPCs (ms) | "
+          "Verify RPCs (ms) | output == AR |\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         same = {True: "yes", False: "**NO**"}.get(r.get("identical_to_ar"), "-")
         print(f"| {r['config']} | {r['mean_accept_length']:.2f} | {r['accept_rate']:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('draft_rpc_ms', 0):.2f} | {r.get('verify_rpc_ms', 0):.2f} | "
-              f"{same} |")
+              f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('ms_per_step', float('nan')):.2f} | "
+              f"{r.get('draft_rpcs', 0)} ({r.get('draft_rpc_ms', 0):.2f}) | "
+              f"{r.get('verify_rpcs', 0)} ({r.get('verify_rpc_ms', 0):.2f}) | {same} |")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -297,6 +297,8 @@ def _summary(args: argparse.Namespace, names: list[str]) -> str:
     if entry.drafts:
         spec += (f" {args.speculative_num_steps}/{args.speculative_eagle_topk}/{args.speculative_num_draft_tokens}"
                  if entry.shape_rule is ShapeRule.BEAM else f" ({args.speculative_num_draft_tokens} draft tokens)")
+    if colocates_draft(args):
+        spec += ", the draft in the target's process (--no-colocate-draft: a draft process)"
     return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
             f"device {args.device})")
 
