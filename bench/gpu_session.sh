@@ -119,8 +119,9 @@ for s in $STAGES; do
       tail -13 "$R/accept_colocate.log"; grep -E "KV pool|Error|error" "$R/accept_colocate.log" | head -5 ;;
     colocate_k)  # continuous speculative steps with the draft in the target's process (serve's default since the ninth
       # session): k verify+draft steps per Verify call, k = 1 (default) / 2 / 4 -- the demo path, then 8B services
-      timeout 330 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree EAGLE3-tree-k2 \
-        EAGLE3-tree-k4 EAGLE3-auto EAGLE3-auto-k4 STANDALONE-chain STANDALONE-chain-k4 --out "$R/accept_k.json" -- \
+      timeout 360 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree-apart \
+        EAGLE3-tree EAGLE3-tree-k2 EAGLE3-tree-k4 EAGLE3-auto EAGLE3-auto-k4 STANDALONE-chain STANDALONE-chain-k4 \
+        --out "$R/accept_k.json" -- \
         --device cuda --cuda-graph-max-bs 8 > "$R/accept_k.log" 2>&1
       tail -11 "$R/accept_k.log"
       for k in 2 4; do
