@@ -258,3 +258,32 @@ def test_colocate_notes_where_it_does_nothing():
     assert any("--enable-overlap-drafting is ignored with --colocate-draft" in n for n in notes)
     assert any("--num-draft-replicas is ignored with --colocate-draft" in n for n in notes)
     assert overlap.enable_overlap_drafting is False
+
+
+@pytest.mark.parametrize("flags,colocated", [
+    (("--speculative-algorithm", "EAGLE3"), True),  # the draft would share the target's device: co-located
+    (("--speculative-algorithm", "NGRAM"), True),
+    (("--speculative-algorithm", "EAGLE3", "--no-colocate-draft"), False),
+    (("--speculative-algorithm", "STANDALONE", "--draft-base-gpu-id", "1"), False),  # a GPU of its own
+    (("--speculative-algorithm", "STANDALONE", "--num-draft-replicas", "2"), False),
+    (("--speculative-algorithm", "STANDALONE", "--enable-overlap-drafting"), False),  # pre-drafts need it apart
+    (("--speculative-algorithm", "UNO"), False),  # its target pods draft anyway
+    ((), False),  # plain decoding
+])
+def test_serve_colocates_by_default_only_where_the_draft_shares_the_target_device(flags, colocated):
+    from tandem.args import colocates_draft, resolve_colocation
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    args = build_parser().parse_args(["serve", "--device", "cpu", *flags])
+    args.speculative_algorithm = args.speculative_algorithm or "NONE"
+    args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
+    resolve_colocation(args)
+    assert colocates_draft(args) == colocated
+    cmds = commands(args)
+    assert ("--colocate-draft" in cmds["target-0"]) == colocated
+    if colocated:
+        assert not [n for n in cmds if n.startswith("draft-")]
+    # a target started on its own never loads a draft unless told to
+    target = build_parser().parse_args(["target", "--speculative-algorithm", args.speculative_algorithm])
+    assert not colocates_draft(target)
