@@ -551,8 +551,8 @@ class Scheduler:
             else:
                 seq.record_step(result.num_accepted_drafts, result.num_draft_tokens, result.num_steps)
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
-                if result.features is not None:
-                    seq.features.append(result.features)
+                if result.features is not None and not seq.features_on_pod:  # (else the log has a gap: the rows
+                    seq.features.append(result.features)  # would land at the wrong positions; a re-prefill resets it)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
                 if item.propose_next is not None and self.spec.needs_features and result.features is None:
                     seq.features_on_pod = True  # the draft took them on the pod: the gateway's rows end before

@@ -184,6 +184,35 @@ async def test_a_draft_that_loses_its_sequences_is_resynced(models):
         await _assert_no_kv_leak(scheduler)
 
 
+async def test_a_colocated_draft_marked_down_mid_stream_is_resynced_once_it_is_back(models):
+    """The co-located draft's client is marked down for a while (a failed call): those steps verify target-only (their
+    features are not stored after the gap the fused steps left); once the pod is back the draft is re-synced by one
+    target re-prefill (which returns every feature), drafts again, and the output is unchanged."""
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True) as scheduler:
+        engine, calls = scheduler.test_engine, [0]
+        verify = engine.verify
+        pool = scheduler.drafts
+        draft = pool.clients[0]
+
+        def flaky(inputs):
+            calls[0] += 1
+            if calls[0] == 4:
+                pool.mark_down(draft, "probe failed (test)")
+            elif calls[0] == 7:
+                pool.mark_up(draft)
+            return verify(inputs)
+
+        engine.verify = flaky
+        prefills = _count_target_prefills(scheduler)
+        prompt = prompts(hf.config.vocab_size)[1]
+        got, usage, _ = await generate_ids(scheduler, prompt, 30)
+        assert got == hf_greedy(hf, prompt, 30)
+        assert prefills[0] == 2 and usage.proposed_draft_tokens > 0  # the prompt, then one re-sync
+        await _assert_no_kv_leak(scheduler)
+
+
 async def test_propose_next_to_a_target_without_a_draft_is_invalid_for_the_proposal_only(models):
     path, _, hf = models
     async with local_stack(path) as scheduler:
