@@ -36,6 +36,8 @@ class PrefillInput:
     stop: StopRule
     return_features: bool = False
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and the top k alternatives
+    # A target with a draft in its own process: prefill that draft too, handing it the features there (not returned)
+    prefill_draft: bool = False
 
 
 @dataclass

@@ -90,6 +90,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return pb.ProposeResponse(results=[convert.propose_result(o) for o in outputs], memory=self._memory(),
                                   timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
 
+    async def prefill_local(self, items: list[tuple[str, list[int], object]], owner: str) -> list[Status]:
+        """Prefill (seq_id, token ids, features) from this process (a co-located target's Prefill, whose caller it
+        checked): the sequences become `owner`'s here too."""
+        self.leases.claim([seq_id for seq_id, _, _ in items], owner)
+        return await self.worker.run(lambda: [self.proposer.prefill(*item) for item in items])
+
     async def propose_local(self, inputs: list[ProposeInput]) -> list[ProposeOutput]:
         """Propose checked inputs (the wire's, or a co-located target's fused verify → propose, whose caller it
         checked); short catch-ups inline on the event loop."""

@@ -209,7 +209,8 @@ class TargetClient(_Client):
         request = pb.TargetPrefillRequest(seqs=[
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
                                 sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
-                                return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0))
+                                return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0),
+                                prefill_draft=i.prefill_draft)
             for i in items])
         response = await self._call(self.stub.Prefill, request)
         return [StepOutput(r.seq_id, _status(r.status), list(r.token_ids),

@@ -73,14 +73,17 @@ class Drafting:
         shape: this step's (None = the configured one)."""
         if not self.spec.enabled or not len(self.pool):
             return {}
-        if self.spec.needs_features:  # drafting needs a feature for every committed token but the last
+        if self.spec.needs_features:  # the draft needs the feature rows of the committed tokens it has not seen
+            ready = []
             for seq in seqs:
-                if seq.features_on_pod and seq.features.num_rows != len(seq.committed) - 1:
-                    # its draft lost its state after fused steps whose features stayed on the pod: the target
-                    # recomputes them all in a re-prefill (next iteration), then the draft is prefilled again
+                if seq.features.num_rows == len(seq.committed) - 1 or self._synced_on_pod(seq):
+                    ready.append(seq)
+                elif seq.features_on_pod and self._route(seq) is not None:
+                    # its draft lost its state after steps whose features stayed on the pod: the target recomputes
+                    # them all in a re-prefill (next iteration), which prefills that draft again
                     seq.needs_target_prefill, seq.draft_synced_len = True, 0
                     seq.features.reset(None)
-            seqs = [s for s in seqs if s.features.num_rows == len(s.committed) - 1]
+            seqs = ready
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if seq.draft is None or self.pool.is_down(seq.draft) or not self._colocated(seq):
@@ -100,6 +103,18 @@ class Drafting:
             return self.pool.route(seq.seq_id)
         target = getattr(seq.target, "address", None)
         return next((c for c in self.pool.live() if c.address == target), None)
+
+    def prefilled_on_pod(self, seq: Sequence) -> None:
+        """The target pod prefilled its own draft with this sequence (PrefillInput.prefill_draft): the draft knows
+        every committed token and the features stayed there."""
+        seq.draft = self._route(seq)
+        seq.draft_synced_len = len(seq.committed) if seq.draft is not None else 0
+        seq.features_on_pod = True
+
+    def _synced_on_pod(self, seq: Sequence) -> bool:
+        """A draft in the target's process that knows every committed token: its Propose needs no feature rows."""
+        return (self.on_target and seq.draft is not None and seq.draft_synced_len == len(seq.committed)
+                and not self.pool.is_down(seq.draft) and self._colocated(seq))
 
     def _colocated(self, seq: Sequence) -> bool:
         """False when the target drafts and the sequence moved to another target pod since its last Propose."""
@@ -170,8 +185,8 @@ class Drafting:
 
     def features(self, seq: Sequence, start: int):
         """Feature rows [start, L-1) of a sequence with L committed tokens; None for token-only drafts."""
-        if not self.spec.needs_features:
-            return None
+        if not self.spec.needs_features or start >= len(seq.committed) - 1:
+            return None  # (no rows to send: a draft that knows every committed token)
         return seq.features.slice(start, len(seq.committed) - 1)
 
     # ---------------------------------------------------------------- overlapped drafting

@@ -349,8 +349,10 @@ class Scheduler:
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
         feats = self.spec.needs_features
+        # a feature draft in the target's process is prefilled there, its features handed over on the pod
+        on_pod = feats and self.drafting.on_target
         items = [PrefillInput(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats,
-                              _logprobs(s)) for s in seqs]
+                              _logprobs(s), prefill_draft=on_pod) for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
@@ -380,6 +382,8 @@ class Scheduler:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs)
+            if on_pod and result.status == STATUS_OK and result.features is None and not seq.finished:
+                self.drafting.prefilled_on_pod(seq)
 
     async def _step(self, seqs: list[Sequence]) -> None:
         """One step of the running batch (step_time), or one ping-pong phase: half of it verifies, half drafts

@@ -99,7 +99,8 @@ def prefill_inputs(request: pb.TargetPrefillRequest, limits: Limits | None = Non
             raise ValueError(f"token id {max(s.token_ids)} outside the vocabulary ({vocab})")
         return PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
                             sampling=sampling_from_pb(s.sampling, vocab), stop=stop_from_pb(s.stop),
-                            return_features=s.return_features, logprobs=logprobs_from_pb(s))
+                            return_features=s.return_features, logprobs=logprobs_from_pb(s),
+                            prefill_draft=s.prefill_draft)
 
     return _per_seq(request.seqs, one)
 

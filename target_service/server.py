@@ -25,7 +25,7 @@ from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
 from runtime.memory import accelerator_id
-from core.steps import ProposeInput, ProposeOutput, StepOutput, VerifyInput
+from core.steps import PrefillInput, ProposeInput, ProposeOutput, StepOutput, VerifyInput
 from core.types import SeqStatus as Status
 from draft_service.convert import check_spec
 from target_service import convert
@@ -57,9 +57,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         owner = caller(context)
         inputs, slots = convert.split(self._owned(convert.prefill_inputs(request, self.limits), owner))
         self.leases.claim([inp.seq_id for inp in inputs], owner)
-        outputs = convert.merge(slots, await self.worker.run(self.engine.prefill, inputs) if inputs else [])
+        prefilled = await self.worker.run(self.engine.prefill, inputs) if inputs else []
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
+        if self.drafter is not None and any(inp.prefill_draft for inp in inputs):
+            await self._prefill_draft(inputs, prefilled, owner)
+        outputs = convert.merge(slots, prefilled)
         return pb.TargetPrefillResponse(
             results=[convert.prefill_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=self.engine.last_forward_ms,
@@ -102,6 +105,21 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=forward_ms, total_ms=(time.perf_counter() - start) * 1e3))
+
+    async def _prefill_draft(self, inputs: list[PrefillInput], outputs: list[StepOutput], owner: str) -> None:
+        """PrefillInput.prefill_draft: the draft in this process is prefilled with each sequence's committed tokens
+        (the sampled first token included) and their features, handed over on the device; those features are then
+        not returned. A draft prefill that fails leaves them in the output (the gateway prefills the draft itself)."""
+        done = [(inp, out) for inp, out in zip(inputs, outputs)
+                if inp.prefill_draft and out.status == Status.OK and out.finish_reason is None
+                and (out.features is not None or not self.drafter.proposer.needs_features)]
+        if not done:
+            return
+        statuses = await self.drafter.prefill_local(
+            [(inp.seq_id, [*inp.token_ids, *out.token_ids], out.features) for inp, out in done], owner)
+        for (_, out), status in zip(done, statuses):
+            if status == Status.OK:
+                out.features = None
 
     async def _speculative_steps(self, inputs: list[VerifyInput], outputs: list[StepOutput], steps: list[int],
                                  wire_features: list[bool]) -> float:

@@ -50,6 +50,21 @@ def _count_target_prefills(scheduler) -> list[int]:
     return count
 
 
+def _count_feature_rows_on_the_wire(scheduler) -> list[int]:
+    """Feature rows the target pod sends the gateway (Prefill and Verify results)."""
+    target, rows = scheduler.targets.clients[0], [0]
+    for name in ("prefill", "verify"):
+        call = getattr(target, name)
+
+        async def counted(items, call=call):
+            outs = await call(items)
+            rows[0] += sum(o.features.num_rows for o in outs if o.features is not None)
+            return outs
+
+        setattr(target, name, counted)
+    return rows
+
+
 def _count_wire_proposes(scheduler) -> list[int]:
     """How many Propose RPCs reach the target pod's DraftService (the fused proposals are not RPCs)."""
     drafter = scheduler.test_servers[0].drafter
@@ -73,6 +88,7 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
                            topk=topk, num_draft_tokens=ndt, colocate=True) as scheduler:
         assert scheduler.drafting.on_target
         proposes, prefills = _count_wire_proposes(scheduler), _count_target_prefills(scheduler)
+        rows = _count_feature_rows_on_the_wire(scheduler)
         cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
         results = await asyncio.gather(*(generate_ids(scheduler, p, 16 + 4 * i, request_id=f"c{i}")
                                          for i, p in cases))
@@ -84,6 +100,7 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
         # each sequence's first step proposes over the wire; every later tree came with a Verify
         assert proposes[0] <= len(cases), proposes[0]
         assert prefills[0] == len(cases)  # no re-prefill: every fused proposal was good
+        assert rows[0] == 0  # a feature draft's features stay on the pod: prefilled and fed there
         await _assert_no_kv_leak(scheduler)
 
 

@@ -140,7 +140,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetPrefillSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_features", "return_logprobs", "top_logprobs")
+    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_features", "return_logprobs", "top_logprobs", "prefill_draft")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class TargetPrefillSeq(_message.Message):
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DRAFT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample_next_token: bool
@@ -157,7 +158,8 @@ class TargetPrefillSeq(_message.Message):
     return_features: bool
     return_logprobs: bool
     top_logprobs: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    prefill_draft: bool
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prefill_draft: _Optional[bool] = ...) -> None: ...
 
 class TargetPrefillRequest(_message.Message):
     __slots__ = ("seqs",)
