@@ -65,18 +65,21 @@ def _count_feature_rows_on_the_wire(scheduler) -> list[int]:
     return rows
 
 
+def _count_calls(obj, name: str) -> list[int]:
+    """How many times the async method `name` of `obj` is called from now on."""
+    calls, method = [0], getattr(obj, name)
+
+    async def counted(*args):
+        calls[0] += 1
+        return await method(*args)
+
+    setattr(obj, name, counted)
+    return calls
+
+
 def _count_wire_proposes(scheduler) -> list[int]:
     """How many Propose RPCs reach the target pod's DraftService (the fused proposals are not RPCs)."""
-    drafter = scheduler.test_servers[0].drafter
-    calls = [0]
-    wire = drafter._propose
-
-    async def counted(request, context):
-        calls[0] += 1
-        return await wire(request, context)
-
-    drafter._propose = counted
-    return calls
+    return _count_calls(scheduler.test_servers[0].drafter, "_propose")
 
 
 @pytest.mark.parametrize("algorithm,steps,topk,ndt", [
@@ -105,15 +108,7 @@ async def test_colocated_draft_greedy_matches_hf_with_one_call_per_step(models, 
 
 
 def _count_verify_calls(scheduler) -> list[int]:
-    servicer, calls = scheduler.test_servers[0].servicer, [0]
-    verify = servicer._verify
-
-    async def counted(request, context):
-        calls[0] += 1
-        return await verify(request, context)
-
-    servicer._verify = counted
-    return calls
+    return _count_calls(scheduler.test_servers[0].servicer, "_verify")
 
 
 async def _run(scheduler, prompt, max_new, request_id, **sampling):
