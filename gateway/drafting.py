@@ -157,10 +157,7 @@ class Drafting:
     def fused(self, seq: Sequence) -> SpecShape | None:
         """The shape to ask the sequence's Verify to draft next (VerifyInput.propose_next), or None: only when its
         draft lives in the process of the pod that verifies it and knows every committed token."""
-        if (not self.on_target or seq.draft is None or self.pool.is_down(seq.draft) or not self._colocated(seq)
-                or seq.draft_synced_len != len(seq.committed)):
-            return None
-        return self.spec.shape
+        return self.spec.shape if self._synced_on_pod(seq) else None
 
     def keep_proposal(self, seq: Sequence, proposal: ProposeOutput) -> None:
         """A Verify's proposal for the next step (after the step's tokens were committed)."""

@@ -209,9 +209,7 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
             placed.setdefault(gpu, {})[name] = target_size
         elif name.startswith("draft-") and draft_loads_model:
             gpu = args.draft_base_gpu_id if getattr(args, "draft_base_gpu_id", None) is not None else default_gpu
-            draft = draft_model_path(args)
-            size = checkpoint_bytes(draft) if draft else None
-            placed.setdefault(gpu, {})[name] = size if size is not None else target_size / 4
+            placed.setdefault(gpu, {})[name] = draft_weight(args, target_size)
     if total_bytes_of is None:
         import torch
 
@@ -234,6 +232,14 @@ def gpu_memory_shares(args: argparse.Namespace, names: list[str], total_bytes_of
             for name, weight in group.items():
                 shares[name] = round(budget * part * weight / sum(group.values()), 3)
     return shares
+
+
+def draft_weight(args: argparse.Namespace, target_size: float) -> float:
+    """What the draft model weighs in a GPU's memory split: its checkpoint's bytes, or a quarter of the target's when
+    it has none on disk (dummy weights, a built-in head)."""
+    draft = draft_model_path(args)
+    size = checkpoint_bytes(draft) if draft else None
+    return size if size is not None else target_size / 4
 
 
 def checkpoint_bytes(path: str) -> int | None:

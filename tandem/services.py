@@ -191,14 +191,13 @@ def _colocated_memory(args: argparse.Namespace) -> tuple[argparse.Namespace, arg
     if not device.startswith("cuda"):
         return args, args
     from runtime.memory import draft_memory_part
-    from tandem.launch import checkpoint_bytes
+    from tandem.launch import checkpoint_bytes, draft_weight
 
     entry = algorithms.get(args.speculative_algorithm)
     total = args.mem_fraction_static or _auto_mem_fraction(device)
-    draft = draft_model_path(args)
     target_size = checkpoint_bytes(model_path(args)) or 1
-    draft_size = (checkpoint_bytes(draft) if draft else None) or target_size / 4
-    part = 0.0 if entry.draft_model is algorithms.DraftModel.NONE else draft_memory_part(draft_size, target_size)
+    part = (0.0 if entry.draft_model is algorithms.DraftModel.NONE
+            else draft_memory_part(draft_weight(args, target_size), target_size))
     target_args, draft_args = argparse.Namespace(**vars(args)), argparse.Namespace(**vars(args))
     target_args.mem_fraction_static = round(total * (1.0 - part), 3)
     draft_args.mem_fraction_static = round(total * part, 3) if part else None
