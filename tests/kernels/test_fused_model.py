@@ -153,8 +153,12 @@ def _tp_rank_main(rank: int, port: int, path: str, prompt: list[int], steps: int
         # Both ranks leave the group together: a rank tearing its gloo pairs down while the other still used them
         # aborted it once ("terminate called without an active exception", exit -6) on a busy 2-core box.
         torch.distributed.barrier()
-    finally:
+    except BaseException:
         destroy_tp()
+        raise
+    # Done: leave without tearing the gloo pairs down. Even after the barrier a rank's teardown aborted it now and then
+    # on a busy 2-core box ("terminate called without an active exception", exit -6); the OS closes the sockets.
+    os._exit(0)
 
 
 def _greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
