@@ -1,4 +1,4 @@
-"""Per-kernel GPU time of the fused elementwise kernels (kernels/norm.py, rope.py, activation.py) against the torch
+"""Per-kernel GPU time of the fused elementwise kernels (tandem_kernels/norm.py, rope.py, activation.py) against the torch
 path of runtime/models/llama.py, at Llama-3.1-8B shapes (hidden 4096, 32/8 heads, head_dim 128, MLP 14336, bf16).
 
 Each op runs `--reps` times inside one captured CUDA graph (as in the decode replay, so launch gaps count but host
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from kernels.rope import rotary  # noqa: E402
+from tandem_kernels.activation import silu_and_mul  # noqa: E402
+from tandem_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from tandem_kernels.rope import rotary  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.models.llama import RotaryEmbedding, _rotate_half  # noqa: E402
 

@@ -57,7 +57,7 @@ class GraphOutputs:
         self.argmax = argmax  # (padded N,) int64
         self.features = features  # (padded N, len(capture_layers) * H) or None: the target features (EAGLE-3)
         # Wide graphs: greedy tree verification of every sequence whose tokens open a fresh tree region (root =
-        # region node 0): kernels.verify_greedy's (accept_index (B, T), emitted (B, T), accept_lens (B,)) int32.
+        # region node 0): tandem_kernels.verify_greedy's (accept_index (B, T), emitted (B, T), accept_lens (B,)) int32.
         self.tree = tree
 
 
@@ -255,10 +255,10 @@ def _compile(runner: ModelRunner):
 
 
 def _tree_verifier():
-    """kernels.verify_greedy.verify_tree_greedy, or None where triton cannot run it (the graph then returns only the
+    """tandem_kernels.verify_greedy.verify_tree_greedy, or None where triton cannot run it (the graph then returns only the
     argmax and callers walk the tree on the host)."""
     try:
-        from kernels.verify_greedy import verify_tree_greedy
+        from tandem_kernels.verify_greedy import verify_tree_greedy
     except ImportError:
         return None
     return verify_tree_greedy

@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     raise ImportError("attention backend 'flashinfer' runs on CUDA GPUs only (pip install flashinfer-python on the "
                       "GPU machine); use --attention-backend torch on CPU")
 try:
-    from kernels.store_kv import store_kv
+    from tandem_kernels.store_kv import store_kv
 except ModuleNotFoundError as exc:
     if exc.name != "triton":
         raise

@@ -1,4 +1,4 @@
-"""Triton attention backend: new K/V stored by `kernels.store_kv`, attention by `kernels.paged_attention` straight
+"""Triton attention backend: new K/V stored by `tandem_kernels.store_kv`, attention by `tandem_kernels.paged_attention` straight
 over the paged pool (no gather), chain appends causal and tree appends through a dense per-row tail mask, split-KV
 when the batch is too small to fill the GPU.
 
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 try:
-    from kernels.paged_attention import default_num_splits, paged_attention
-    from kernels.store_kv import store_kv
+    from tandem_kernels.paged_attention import default_num_splits, paged_attention
+    from tandem_kernels.store_kv import store_kv
 except ModuleNotFoundError as exc:
     if exc.name != "triton":
         raise

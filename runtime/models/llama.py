@@ -36,7 +36,7 @@ def _env_fused_mode() -> bool | None:
     return modes[raw]
 
 
-# Fused Triton elementwise kernels (kernels/norm.py, rope.py, activation.py) for RMSNorm, residual add + RMSNorm,
+# Fused Triton elementwise kernels (tandem_kernels/norm.py, rope.py, activation.py) for RMSNorm, residual add + RMSNorm,
 # RoPE and SiLU-mul. None (auto): on for CUDA tensors inside CUDA-graph capture (and its warm-up), off elsewhere;
 # True forces them on (on CPU only under TRITON_INTERPRET=1), False off. Why only in graphs: on the H200 host a Triton
 # launch from Python cost ~0.1 ms against ~0.015 ms for a torch op, so the 4 fused launches per layer made eager
@@ -76,12 +76,12 @@ def fused_elementwise(mode: bool | None) -> Iterator[None]:
 
 
 def _k(name: str) -> ModuleType:
-    """kernels.<name>, imported on first use: `import runtime` must work without triton."""
+    """tandem_kernels.<name>, imported on first use: `import runtime` must work without triton."""
     mod = _kernels.get(name)
     if mod is None:
         import importlib
 
-        mod = _kernels[name] = importlib.import_module(f"kernels.{name}")
+        mod = _kernels[name] = importlib.import_module(f"tandem_kernels.{name}")
     return mod
 
 

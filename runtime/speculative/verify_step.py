@@ -1,5 +1,5 @@
 """One greedy Verify as static-shape device code: the target forward over root + tree (tree masks built on the
-device from the parents), lm_head and argmax, the greedy tree walk (kernels.verify_greedy), the compaction of the
+device from the parents), lm_head and argmax, the greedy tree walk (tandem_kernels.verify_greedy), the compaction of the
 accepted path's KV to contiguous positions, and the gather of the accepted tokens' target features (EAGLE drafts),
 all on the device. On CUDA each batch bucket is one CUDA graph captured at start-up, so a Verify is one host->device
 copy of the packed inputs, one replay and one device->host copy of (emitted tokens, accept lengths, features).
@@ -70,7 +70,7 @@ class StaticVerifyStep(StaticStep):
 
         self._walk = _tree_verifier()
         if self._walk is None:
-            from kernels.verify_greedy import verify_tree_greedy_ref
+            from tandem_kernels.verify_greedy import verify_tree_greedy_ref
 
             self._walk = verify_tree_greedy_ref
 
@@ -114,11 +114,11 @@ class StaticVerifyStep(StaticStep):
     def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv = self.runner.kv_pool.kv
         if kv.device.type == "cuda":
-            from kernels.compact_kv import compact_kv
+            from tandem_kernels.compact_kv import compact_kv
 
             compact_kv(kv, src, dst)
         else:
-            from kernels.compact_kv import compact_kv_ref
+            from tandem_kernels.compact_kv import compact_kv_ref
 
             compact_kv_ref(kv, src, dst)
 

@@ -140,7 +140,7 @@ def test_dockerfile_has_base_image_args_and_tandem_entrypoint():
     assert re.search(r"^ARG BASE_IMAGE=python:3\.1\d-slim", text, re.M)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}", text, re.M)
     assert 'ENTRYPOINT ["tandem"]' in text
-    for source in ("core", "protos", "runtime", "kernels", "target_service", "draft_service", "gateway", "tandem"):
+    for source in ("core", "protos", "runtime", "tandem_kernels", "target_service", "draft_service", "gateway", "tandem"):
         assert re.search(rf"^COPY {source} {source}$", text, re.M), source
         assert (REPO_ROOT / source).is_dir()
     gpu_build = yaml.safe_load(COMPOSE_FILE.read_text())["x-tandem-gpu-image"]["build"]

@@ -1,4 +1,4 @@
-"""Fused elementwise kernels (kernels/norm.py, rope.py, activation.py) on the GPU at Llama-3.1-8B shapes (hidden
+"""Fused elementwise kernels (tandem_kernels/norm.py, rope.py, activation.py) on the GPU at Llama-3.1-8B shapes (hidden
 4096, 32/8 heads, head_dim 128, MLP 14336, bf16, batch 1..64): against their torch references (on the GPU both round
 to nearest even, so values agree to the odd ulp), inside a captured CUDA graph replayed with new contents, and a
 2-layer model through ModelRunner with CUDA graphs and the fused path against the eager torch path."""
@@ -14,9 +14,9 @@ skip_without_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
-from kernels.rope import rotary, rotary_ref  # noqa: E402
+from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from tandem_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from tandem_kernels.rope import rotary, rotary_ref  # noqa: E402
 from runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from runtime.model_runner import ModelRunner, SeqForward  # noqa: E402
 from runtime.models import llama  # noqa: E402

@@ -13,11 +13,11 @@ skip_without_gpu()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.compact_kv import compact_kv, compact_kv_ref  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
-from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
-from kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_ref  # noqa: E402
+from tandem_kernels.compact_kv import compact_kv, compact_kv_ref  # noqa: E402
+from tandem_kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from tandem_kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from tandem_kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from tandem_kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_ref  # noqa: E402
 from tests.kernels.paged import ancestor_mask, make_batch, random_parents  # noqa: E402
 
 NH, KVH, HD, PAGE = 32, 8, 128, 16

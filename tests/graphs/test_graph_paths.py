@@ -309,7 +309,7 @@ def test_sampled_requests_take_logits_out_of_the_graph(llama):
 
 
 def test_greedy_tree_walk_in_the_graph_equals_the_host_walk(llama):
-    """Wide graphs verify fresh trees on the device (kernels.verify_greedy): the path and tokens read back with the
+    """Wide graphs verify fresh trees on the device (tandem_kernels.verify_greedy): the path and tokens read back with the
     argmax equal runtime.speculative.verify.verify_greedy over that argmax, from a rejected root to a fully
     accepted path (trees rebuilt from the target's own predictions until they converge)."""
     runner = ModelRunner(llama, _config(cuda_graph_mask_width=8))

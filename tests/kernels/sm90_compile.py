@@ -8,10 +8,10 @@ import sys
 
 
 def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
-    from kernels.compact_kv import _compact_kv_kernel
-    from kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
-    from kernels.store_kv import _store_kv_kernel
-    from kernels.verify_greedy import _verify_greedy_kernel
+    from tandem_kernels.compact_kv import _compact_kv_kernel
+    from tandem_kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
+    from tandem_kernels.store_kv import _store_kv_kernel
+    from tandem_kernels.verify_greedy import _verify_greedy_kernel
 
     cases = []
     # fp32 is for tiny test models only; at 8B shapes its ptxas run alone takes ~15 s, so it is compiled small.

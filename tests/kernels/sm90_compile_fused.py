@@ -1,4 +1,4 @@
-"""Compile the fused elementwise kernels (kernels/norm.py, rope.py, activation.py) ahead of time for sm_90 at
+"""Compile the fused elementwise kernels (tandem_kernels/norm.py, rope.py, activation.py) ahead of time for sm_90 at
 Llama-3.1-8B shapes; needs no GPU. Run as a script without TRITON_INTERPRET (see sm90_compile.py, whose compiler this
 uses); exits non-zero on the first kernel that fails, prints 'skip: ...' when this triton cannot target CUDA."""
 
@@ -9,9 +9,9 @@ import sys
 
 def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object], int, bool]]:
     """(name, kernel, arg types, constexprs, num_warps, enable_fp_fusion) as the launchers use them."""
-    from kernels.activation import _silu_and_mul_kernel
-    from kernels.norm import _rms_norm_kernel
-    from kernels.rope import _rope_kernel
+    from tandem_kernels.activation import _silu_and_mul_kernel
+    from tandem_kernels.norm import _rms_norm_kernel
+    from tandem_kernels.rope import _rope_kernel
 
     cases = []
     for dtype in ("bf16", "fp32"):

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.compact_kv import compact_kv, compact_kv_ref
+from tandem_kernels.compact_kv import compact_kv, compact_kv_ref
 from runtime.kv_pool import KVPool
 
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from kernels.rope import rotary, rotary_ref
+from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref
+from tandem_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from tandem_kernels.rope import rotary, rotary_ref
 from runtime.config import ModelConfig
 from runtime.models.llama import RotaryEmbedding
 

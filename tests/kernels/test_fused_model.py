@@ -121,7 +121,7 @@ def test_auto_mode_fuses_only_inside_cuda_graph_capture():
 
 def test_model_import_does_not_import_the_kernels():
     code = ("import sys, runtime.models.llama, runtime.model_runner; "
-            "assert not any(m in sys.modules for m in ('kernels.norm', 'kernels.rope', 'kernels.activation'))")
+            "assert not any(m in sys.modules for m in ('tandem_kernels.norm', 'tandem_kernels.rope', 'tandem_kernels.activation'))")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_ref
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from tandem_kernels.decode_attention import decode_attention, decode_attention_ref
+from tandem_kernels.paged_attention import paged_attention, paged_attention_ref
 from tests.kernels.paged import make_batch
 
 # On GPU the kernel feeds p to the PV dot in the input dtype; the tolerances cover that rounding.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.store_kv import store_kv, store_kv_ref
+from tandem_kernels.store_kv import store_kv, store_kv_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

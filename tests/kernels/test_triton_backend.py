@@ -54,7 +54,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def test_triton_backend_is_registered_lazily():
     code = ("import sys, runtime.attention, runtime.model_runner; "
-            "assert 'triton' not in sys.modules and 'kernels.paged_attention' not in sys.modules")
+            "assert 'triton' not in sys.modules and 'tandem_kernels.paged_attention' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert get_backend("triton").__name__ == "TritonAttentionBackend"
 

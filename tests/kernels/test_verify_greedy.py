@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_ref
+from tandem_kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_ref
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import verify_greedy
 

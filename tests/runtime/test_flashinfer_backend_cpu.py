@@ -64,9 +64,9 @@ def fi_module(monkeypatch):
         yield importlib.import_module(_MODULE)
         return
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
-    store = types.ModuleType("kernels.store_kv")
+    store = types.ModuleType("tandem_kernels.store_kv")
     store.store_kv = None
-    monkeypatch.setitem(sys.modules, "kernels.store_kv", store)
+    monkeypatch.setitem(sys.modules, "tandem_kernels.store_kv", store)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delitem(sys.modules, _MODULE, raising=False)
     module = importlib.import_module(_MODULE)

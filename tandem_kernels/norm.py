@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, next_pow2
+from tandem_kernels._common import FLOAT_DTYPES, check, next_pow2
 
 MAX_DIM = 65536  # one row lives in one program's registers
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, check_index, next_pow2
+from tandem_kernels._common import check, check_index, next_pow2
 
 
 @triton.jit

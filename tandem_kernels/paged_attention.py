@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import FLOAT_DTYPES, check, check_index, interpreting, next_pow2
+from tandem_kernels._common import FLOAT_DTYPES, check, check_index, interpreting, next_pow2
 
 # Finite "minus infinity": a fully masked key block then yields finite garbage that a later alpha zeroes, not NaN.
 _NEG = tl.constexpr(-1.0e30)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._common import check
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from tandem_kernels._common import check
+from tandem_kernels.paged_attention import paged_attention, paged_attention_ref
 
 
 def _offsets(q: torch.Tensor, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
