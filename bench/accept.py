@@ -131,8 +131,9 @@ def wait_ready(proc: subprocess.Popen, channel: grpc.Channel, name: str, timeout
 
 def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]], args) -> dict:
     http, grpc_port = free_port(), free_port()
+    profile = [] if not args.profile_dir else ["--profile-dir", str(Path(args.profile_dir).resolve() / name)]
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(http), "--grpc-port", str(grpc_port),
-           "--log-level", "warning", *flags, *args.extra]
+           "--log-level", "warning", *flags, *profile, *args.extra]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
@@ -151,15 +152,41 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
             accepted += usage.accepted_draft_tokens
             proposed += usage.proposed_draft_tokens
         elapsed = time.perf_counter() - start
+        rpc_ms = gateway_rpc_ms(http)  # (before the profiled prompt below)
+        if args.profile_dir:
+            profiled = profile_prompt(http, lambda: stub_generate(stub, prompts[0], args.max_new_tokens, args))
         channel.close()
-        rpc_ms = gateway_rpc_ms(http)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
             "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
             "tokens_per_s": tokens / elapsed, "seconds": elapsed, "ms_per_step": 1e3 * elapsed / steps, **rpc_ms,
-            "outputs": outputs}
+            **({"profile": profiled} if args.profile_dir else {}), "outputs": outputs}
+
+
+def profile_prompt(http_port: int, generate) -> list[dict]:
+    """One more prompt under /start_profile ... /stop_profile (after the timed ones, which ran unprofiled): every
+    process of the stack writes its trace, Python profile and summary; returns the processes' entries, each with its
+    summary's busy line."""
+    import urllib.request
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}{path}", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return json.loads(r.read())
+
+    post("/start_profile", {"profile_id": "accept"})
+    generate()
+    processes = post("/stop_profile", {})["processes"]
+    for p in processes:
+        summary = next((f for f in p.get("files", []) if f.endswith(".summary.txt")), None)
+        if summary:
+            busy = re.search(r"^Python busy: .*$", Path(summary).read_text(), re.M)
+            p["busy"] = busy.group(0) if busy else None
+            print(f"  profile {p['process']}: {p['num_steps']} steps; {p['busy']}; {summary}", flush=True)
+    return processes
 
 
 def gateway_rpc_ms(http_port: int) -> dict:
@@ -227,6 +254,10 @@ def main() -> None:
                    help="also time HF transformers generate, assisted generation (the bundled STANDALONE draft as "
                         "assistant_model) and prompt lookup on the same prompts, batch 1, greedy, on this device "
                         "(e.g. cuda), after the services runs: peers measured in the same run")
+    p.add_argument("--profile-dir", default=None,
+                   help="after each configuration's timed prompts, profile one more through /start_profile and "
+                        "/stop_profile: every process writes a torch trace, a Python profile and a summary into "
+                        "DIR/<config> (the timed numbers are unprofiled)")
     p.add_argument("extra", nargs="*", help="extra flags for tandem serve (after --)")
     args = p.parse_args()
     prompts = heldout_prompts(DEFAULT_MODEL, args.num_prompts, args.prompt_chars)

@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: colocate_k colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: profile_serve colocate_k colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -117,6 +117,13 @@ for s in $STAGES; do
         NGRAM-auto-colocate --out "$R/accept_colocate.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_colocate.log" 2>&1
       tail -13 "$R/accept_colocate.log"; grep -E "KV pool|Error|error" "$R/accept_colocate.log" | head -5 ;;
+    profile_serve)  # where a step's time goes in the real path (#11): `tandem serve` on the demo family, timed, then
+      # one more prompt profiled through /start_profile + /stop_profile (every process: torch trace with CUDA kernels,
+      # Python profile, summary with Python busy ms per step)
+      timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree EAGLE3-auto \
+        STANDALONE-chain EAGLE3-tree-k4 --profile-dir "$R/profiles" --out "$R/accept_profiled.json" -- \
+        --device cuda --cuda-graph-max-bs 8 > "$R/accept_profiled.log" 2>&1
+      grep -E "profile |^\| " "$R/accept_profiled.log" | tail -20 ;;
     colocate_k)  # continuous speculative steps with the draft in the target's process (serve's default since the ninth
       # session): k verify+draft steps per Verify call, k = 1 (default) / 2 / 4 -- the demo path, then 8B services
       timeout 360 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree-apart \

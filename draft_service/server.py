@@ -19,6 +19,7 @@ from protos import leases
 from protos.errors import ErrorInterceptor
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
+from protos.profiler import ProcessProfiler, ProfilerServicer, add_to_server as add_profiler
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -43,6 +44,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.worker = ModelWorker("draft-model", inline_steps)
         runner = getattr(proposer, "runner", None)
         self.limits = limits or convert.Limits(runner.model_config.vocab_size if runner is not None else None)
+        self.profiling: ProfilerServicer | None = None  # counts Propose calls as profile steps (a draft pod's own)
 
     def _memory(self) -> pb.MemoryState:
         free, total = self.proposer.memory()
@@ -87,8 +89,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         inputs, slots = convert.split(items)
         outputs = convert.merge(slots, await self.propose_local(inputs) if inputs else [])
         elapsed = (time.perf_counter() - start) * 1e3
-        return pb.ProposeResponse(results=[convert.propose_result(o) for o in outputs], memory=self._memory(),
-                                  timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
+        response = pb.ProposeResponse(results=[convert.propose_result(o) for o in outputs], memory=self._memory(),
+                                      timings=pb.StepTimings(forward_ms=elapsed, total_ms=elapsed))
+        if self.profiling is not None:
+            await self.profiling.step()
+        return response
 
     async def prefill_local(self, items: list[tuple[str, list[int], object]], owner: str) -> list[Status]:
         """Prefill (seq_id, token ids, features) from this process (a co-located target's Prefill, whose caller it
@@ -128,17 +133,23 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 async def serve_draft(proposer: Proposer, model_path: str, host: str, port: int, info: dict | None = None, *,
                       metrics=None, credentials=None, inline_steps: bool = True,
                       limits: convert.Limits | None = None, service_api_key: str | None = None,
-                      seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+                      seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, profiler: ProcessProfiler | None = None):
     """Start the draft gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
     health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
-    inline_steps=False runs every model call on the worker thread."""
+    inline_steps=False runs every model call on the worker thread; profiler: this process's ProcessProfiler
+    (--profile-dir), served as the Profiler service."""
     servicer = DraftServicer(proposer, model_path, info, metrics, inline_steps, limits, seq_idle_ttl_s)
+    servicer.profiling = ProfilerServicer(profiler or ProcessProfiler("draft", None), servicer.worker)
     if metrics is not None:
         metrics.bind_memory(lambda: (*proposer.memory(), proposer.num_seqs))
+
+    def register(server) -> None:
+        pb_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        add_profiler(servicer.profiling, server)
+
     server, bound, _ = await start_server(
-        lambda s: pb_grpc.add_DraftServiceServicer_to_server(servicer, s),
-        [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], host, port,
+        register, [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("DraftService", "Profiler")], host, port,
         interceptors=[*([metrics.interceptor()] if metrics is not None else ()), ErrorInterceptor()],
         credentials=credentials,
         service_api_key=service_api_key)

@@ -18,6 +18,7 @@ from core.types import DraftTree, FinishReason, SamplingParams, SeqStatus, StopR
 from gateway.features import FeatureRows
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
+from protos.profiler import ProfileError, ProfileOptions, ProfileState
 from protos.service_auth import bearer_metadata
 from protos.wire import CHANNEL_OPTIONS, OWNER_METADATA
 
@@ -111,7 +112,22 @@ class _Client:
     def _error(self, exc: grpc.aio.AioRpcError) -> Exception:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return ValueError(exc.details())
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            return ProfileError(exc.details())
         return PodUnavailable(f"{self.address}: {exc.code().name}: {exc.details()}")
+
+    async def start_profile(self, options: ProfileOptions, timeout_s: float = 30.0) -> ProfileState:
+        """Start profiling the pod's process (its Profiler service); ProfileError when it cannot (profiling off,
+        one running)."""
+        request = pb.StartProfileRequest(num_steps=options.num_steps, activities=list(options.activities),
+                                         record_shapes=options.record_shapes, with_stack=options.with_stack,
+                                         profile_id=options.profile_id)
+        return _profile_state(await self._call(pb_grpc.ProfilerStub(self.channel).StartProfile, request, timeout_s))
+
+    async def stop_profile(self, timeout_s: float = 120.0) -> ProfileState:
+        """Stop the pod's profile; it writes its files first (a long trace takes a while)."""
+        return _profile_state(await self._call(pb_grpc.ProfilerStub(self.channel).StopProfile,
+                                               pb.StopProfileRequest(), timeout_s))
 
     def _step_stream(self, stream_method, unary_method, enabled: bool) -> StepStream:
         stream = StepStream(self, stream_method, unary_method, enabled)
@@ -285,3 +301,7 @@ def _logprobs(result) -> list[tuple[float, list[int], list[float]]] | None:
     if not len(result.logprobs):
         return None
     return [(e.logprob, list(e.top_token_ids), list(e.top_logprobs)) for e in result.logprobs]
+
+
+def _profile_state(msg: pb.ProfileState) -> ProfileState:
+    return ProfileState(msg.active, list(msg.files), msg.num_steps, msg.process)

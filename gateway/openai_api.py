@@ -1,5 +1,5 @@
 """OpenAI-compatible REST front: /v1/chat/completions, /v1/completions (plain JSON or SSE), /v1/models, /health,
-/openapi.json (gateway/openai_schema.py).
+/openapi.json (gateway/openai_schema.py), and SGLang's /start_profile and /stop_profile where the backend profiles.
 
 It validates and tokenizes requests, turns them into `GenerateParams`, and renders the backend's `GenerateChunk`s as
 OpenAI responses; every error leaves as OpenAI's error envelope. A client that disconnects closes the backend's
@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -40,6 +40,7 @@ from gateway.openai_protocol import (
     unsupported_fields,
 )
 from gateway.tokenizer import Tokenizer
+from protos.profiler import ProfileError, ProfileOptions
 from gateway.types import (
     GatewayError,
     GenerateParams,
@@ -54,6 +55,18 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 _NO_RETRY = {"x-should-retry": "false"}  # generation is not idempotent
+
+
+class StartProfileRequest(BaseModel):
+    """Body of POST /start_profile (SGLang's names; every field optional)."""
+    model_config = ConfigDict(extra="forbid")
+
+    num_steps: int | None = Field(None, ge=0, description="stop by itself after this many steps (0/None: at "
+                                                             "/stop_profile)")
+    activities: list[str] | None = Field(None, description='"CPU" and/or "GPU" (default both)')
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_id: str | None = Field(None, description="names the files (letters, digits, '-', '_')")
 
 
 class PayloadTooLarge(GatewayError):
@@ -99,6 +112,9 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", server.retrieve_model, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
+    if hasattr(backend, "start_profile"):  # SGLang's / vLLM's profiler endpoints (gateway/profiling.py)
+        app.add_api_route("/start_profile", server.start_profile, methods=["POST"])
+        app.add_api_route("/stop_profile", server.stop_profile, methods=["POST"])
     document = openapi_document()
 
     async def openapi() -> JSONResponse:
@@ -178,6 +194,26 @@ class _OpenAIServer:
         if healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body("the backend is not healthy", "service_unavailable"), status_code=503)
+
+    # ------------------------------------------------------------------------------------------ profiling
+    async def start_profile(self, request: Request) -> Response:
+        return await self._guard(self._start_profile, request)
+
+    async def stop_profile(self, request: Request) -> Response:
+        return await self._guard(self._stop_profile, request)
+
+    async def _start_profile(self, request: Request) -> Response:
+        req = await self._validated(request, StartProfileRequest, empty_ok=True)
+        options = ProfileOptions(num_steps=req.num_steps or 0, activities=tuple(req.activities or ()),
+                                 record_shapes=req.record_shapes, with_stack=req.with_stack,
+                                 profile_id=req.profile_id or "")
+        try:
+            return JSONResponse(await self.backend.start_profile(options))
+        except (ValueError, ProfileError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def _stop_profile(self, request: Request) -> Response:
+        return JSONResponse(await self.backend.stop_profile())
 
     # ------------------------------------------------------------------------------------------ generation
     async def _chat_completions(self, request: Request) -> Response:
@@ -310,14 +346,16 @@ class _OpenAIServer:
         headers = _NO_RETRY if status >= 500 and status != 503 or status == 499 else None
         return JSONResponse(body, status_code=status, headers=headers)
 
-    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+    async def _validated(self, request: Request, model: type[BaseModel], *, empty_ok: bool = False) -> Any:
+        """The request's JSON object body validated as `model` (InvalidRequest / RequestTimeout otherwise);
+        empty_ok: an empty body is `{}`."""
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 body = await _read_body(request, self.max_body_bytes)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {self.body_timeout_s:g}s") from None
         try:
-            data = json.loads(body)
+            data = json.loads(body) if body.strip() or not empty_ok else {}
         except ValueError as exc:  # UnicodeDecodeError is a ValueError too
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:
@@ -326,10 +364,13 @@ class _OpenAIServer:
             raise InvalidRequest("the request body must be a JSON object")
         _check_text(data)
         try:
-            req = model.model_validate(data)
+            return model.model_validate(data)
         except ValidationError as exc:
             body = _validation_body(exc.errors())["error"]
             raise InvalidRequest(body["message"], body["param"]) from None
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
+        req = await self._validated(request, model)
         if req.model is not None and req.model not in self.accepted_names:
             raise self._model_not_found(req.model)
         unsupported = unsupported_fields(req)

@@ -31,8 +31,10 @@ from gateway.clients import STATUS_OK, STATUS_OOM, STATUS_STALE, DraftClient, Po
 from gateway.metrics import GatewayMetrics
 from gateway.overlap import PINGPONG, OverlapSchedule
 from gateway.pods import PodPool
+from gateway.profiling import ClusterProfiler
 from gateway.routing import PrefixRouter, RoutingConfig
 from gateway.sequence import Sequence
+from protos.profiler import ProcessProfiler, ProfileOptions
 from gateway.types import (DeadlineExceeded, FinishReason, GatewayError, GenerateChunk, GenerateParams,
                            InvalidRequest, Overloaded, Unavailable, check_params)
 
@@ -80,8 +82,9 @@ class Scheduler:
     def __init__(self, *, targets: list[TargetClient], drafts: list[DraftClient], tokenizer, model_name: str,
                  max_context_len: int, vocab_size: int, eos_token_ids: list[int], spec: SpecConfig,
                  config: SchedulerConfig = SchedulerConfig(), metrics: GatewayMetrics | None = None,
-                 adaptive: AdaptiveSpec | None = None):
-        """adaptive: per-batch-size choice of the draft steps (gateway/adaptive.py); chain drafts only."""
+                 adaptive: AdaptiveSpec | None = None, profiler: ProcessProfiler | None = None):
+        """adaptive: per-batch-size choice of the draft steps (gateway/adaptive.py); chain drafts only.
+        profiler: this process's (--profile-dir; None = profiling off): /start_profile profiles it and every pod."""
         if not targets:
             raise ValueError("at least one target pod is needed")
         if adaptive is not None and (spec.topk != 1 or not spec.entry.supports_adaptive
@@ -131,6 +134,8 @@ class Scheduler:
         # Verify. 8B plain decoding through the services lost 20-28 ms per 4-step call at batch 32-64 streaming
         # its tokens between calls (bench/results/speculative_h200/adaptive/NOTES.md, seventh session).
         self._drafts_nothing = not (spec.entry.drafts and drafts)
+        self.profiling = ClusterProfiler(profiler or ProcessProfiler("gateway", None),
+                                         lambda: [*self.targets.clients, *self.drafts.clients])
 
     # ---------------------------------------------------------------- GenerationBackend
     async def start(self) -> None:
@@ -153,6 +158,13 @@ class Scheduler:
     def gateway_id(self) -> str:
         """This gateway's id: the prefix of its sequence ids and the owner of its sequences on the pods."""
         return self._gateway_id
+
+    async def start_profile(self, options: ProfileOptions) -> dict:
+        """/start_profile: this process and every pod (gateway/profiling.py)."""
+        return await self.profiling.start(options)
+
+    async def stop_profile(self) -> dict:
+        return await self.profiling.stop()
 
     def health(self) -> bool:
         """Serving: the loop runs and at least one target pod is up (probed, or not failing calls)."""
@@ -268,6 +280,7 @@ class Scheduler:
         if active:
             await self._step(active)
             self.num_steps += 1
+            self.profiling.step()
         else:
             self._last_step_end = (-1, 0.0)  # the next step's iteration time starts afresh
             if any(s.no_target_since is not None for s in self._running):

@@ -27,6 +27,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    p.add_argument("--profile-dir", default=None,
+                   help="turn on /start_profile and /stop_profile (the gateway's, fanned out to every model service): "
+                        "torch profiler traces, Python profiles and summaries go to this directory (default: "
+                        "$TANDEM_TORCH_PROFILER_DIR; unset = profiling off)")
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json = one JSON object per line (ts, level, logger, msg, request_id, seq_id, ...)")
     p.add_argument("--no-startup-notes", action="store_true",

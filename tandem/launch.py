@@ -48,6 +48,8 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
              "--chunked-prefill-size", str(args.chunked_prefill_size),
              "--log-level", args.log_level, "--log-format", args.log_format,
              "--no-startup-notes"]  # this process printed them once
+    if getattr(args, "profile_dir", None):
+        flags += ["--profile-dir", args.profile_dir]
     if args.max_total_tokens:
         flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.mem_fraction_static is not None:

@@ -167,7 +167,7 @@ async def run_target(args: argparse.Namespace) -> None:
                                       args.service_host, args.service_port, metrics=_service_metrics(args, "target"),
                                       credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
                                       service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl,
-                                      proposer=proposer)
+                                      proposer=proposer, profiler=_profiler(args, "target", runner.device))
     role = f", drafting {proposer.algorithm}" if proposer is not None else ""
     print(f"tandem target{role} ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
           + f" in {time.monotonic() - started:.1f} s: {_runner_summary(runner)}", flush=True)
@@ -321,12 +321,22 @@ async def run_draft(args: argparse.Namespace) -> None:
     proposer, path = build_proposer(args)
     server, port = await serve_draft(proposer, path, args.service_host, args.service_port,
                                      metrics=_service_metrics(args, "draft"), credentials=credentials,
-                                     service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl)
+                                     service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl,
+                                     profiler=_profiler(args, "draft", getattr(getattr(proposer, "runner", None), "device", None)
+                                                        or getattr(proposer, "device", None)))
     runner = getattr(proposer, "runner", None)
     print(f"tandem draft ({proposer.algorithm}) ready on {args.service_host}:{port} in "
           f"{time.monotonic() - started:.1f} s" + (f": {_runner_summary(runner)}" if runner is not None else ""),
           flush=True)
     await _serve_until_signal(server)
+
+
+def _profiler(args: argparse.Namespace, service: str, device=None):
+    """This process's ProcessProfiler (protos/profiler.py): on with --profile-dir or TANDEM_TORCH_PROFILER_DIR."""
+    from protos.profiler import ProcessProfiler, profile_dir
+
+    return ProcessProfiler(service, profile_dir(getattr(args, "profile_dir", None)),
+                           getattr(device, "type", None) or str(device or "cpu").split(":")[0])
 
 
 async def _wait_for_pod(client, name: str, deadline_s: float):
@@ -425,7 +435,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {exc}") from None
     scheduler = Scheduler(targets=targets, drafts=drafts, tokenizer=tokenizer, model_name=name,
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=eos,
-                          spec=spec, config=config, adaptive=adaptive)
+                          spec=spec, config=config, adaptive=adaptive, profiler=_profiler(args, "gateway"))
     await scheduler.start()
     refresher = None
     if any(a.startswith("dns:///") for a in [*target_specs, *draft_specs]):

@@ -20,6 +20,7 @@ from protos import leases
 from protos.errors import ErrorInterceptor
 from protos.leases import DEFAULT_IDLE_TTL_S, SeqLeases, caller
 from protos.model_worker import ModelWorker
+from protos.profiler import ProcessProfiler, ProfilerServicer, add_to_server as add_profiler
 from protos.step_stream import serve_step_stream
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
@@ -46,6 +47,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.worker = ModelWorker("target-model", inline_steps)
         self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
         self.drafter = None  # a DraftServicer in this process (UNO, --colocate-draft): answers propose_next
+        self.profiling: ProfilerServicer | None = None  # counts Verify calls as profile steps
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -102,9 +104,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             if not asked:  # handed to the draft here, not sent
                 out.features = None
         outputs = convert.merge(slots, verified)
-        return pb.VerifyResponse(
+        response = pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
             timings=pb.StepTimings(forward_ms=forward_ms, total_ms=(time.perf_counter() - start) * 1e3))
+        if self.profiling is not None:
+            await self.profiling.step()
+        return response
 
     async def _prefill_draft(self, inputs: list[PrefillInput], outputs: list[StepOutput], owner: str) -> None:
         """PrefillInput.prefill_draft: the draft in this process is prefilled with each sequence's committed tokens
@@ -215,13 +220,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 async def serve_target(engine: TargetEngine, model_path: str, host: str, port: int, *, metrics=None,
                        credentials=None, inline_steps: bool = True,
                        max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, service_api_key: str | None = None,
-                       seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, proposer=None):
+                       seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, proposer=None,
+                       profiler: ProcessProfiler | None = None):
     """Start the target gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
     health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread. proposer: a draft_service Proposer over this
     engine (UNO: the target drafts for itself) served as DraftService on the same port; its calls share the
-    target's ModelWorker, so one model call runs at a time."""
+    target's ModelWorker, so one model call runs at a time. profiler: this process's ProcessProfiler (--profile-dir),
+    served as the Profiler service (without one, StartProfile answers that profiling is off)."""
     from draft_service.server import DraftServicer
 
     servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s)
@@ -231,6 +238,7 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
                                 seq_idle_ttl_s=seq_idle_ttl_s)
         drafter.worker = servicer.worker
         servicer.drafter = drafter
+    servicer.profiling = ProfilerServicer(profiler or ProcessProfiler("target", None), servicer.worker)
     if metrics is not None:
         runner = engine.runner
         metrics.bind_memory(lambda: (runner.num_free_tokens(), runner.num_total_tokens(), engine.num_seqs))
@@ -242,8 +250,9 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
         pb_grpc.add_TargetServiceServicer_to_server(servicer, server)
         if drafter is not None:
             pb_grpc.add_DraftServiceServicer_to_server(drafter, server)
+        add_profiler(servicer.profiling, server)
 
-    names = ["TargetService", *(["DraftService"] if drafter is not None else [])]
+    names = ["TargetService", *(["DraftService"] if drafter is not None else []), "Profiler"]
     server, bound, _ = await start_server(
         register, [pb.DESCRIPTOR.services_by_name[n].full_name for n in names], host, port,
         interceptors=[*([metrics.interceptor()] if metrics is not None else ()), ErrorInterceptor()],

@@ -385,6 +385,36 @@ class ProposeResponse(_message.Message):
     memory: MemoryState
     def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
+class StartProfileRequest(_message.Message):
+    __slots__ = ("num_steps", "activities", "record_shapes", "with_stack", "profile_id")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITIES_FIELD_NUMBER: _ClassVar[int]
+    RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    WITH_STACK_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    activities: _containers.RepeatedScalarFieldContainer[str]
+    record_shapes: bool
+    with_stack: bool
+    profile_id: str
+    def __init__(self, num_steps: _Optional[int] = ..., activities: _Optional[_Iterable[str]] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ..., profile_id: _Optional[str] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProfileState(_message.Message):
+    __slots__ = ("active", "files", "num_steps", "process")
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    active: bool
+    files: _containers.RepeatedScalarFieldContainer[str]
+    num_steps: int
+    process: str
+    def __init__(self, active: _Optional[bool] = ..., files: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ..., process: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_detokenize", "return_logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
     class LogitBiasEntry(_message.Message):

@@ -558,6 +558,143 @@ class DraftService:
             _registered_method=True)
 
 
+class ProfilerStub:
+    """---------------------------------------------------------------------------------------------------------------
+    Profiler (internal, on every model pod: the gateway's /start_profile and /stop_profile fan out to it)
+    ---------------------------------------------------------------------------------------------------------------
+
+    Profiles the pod's process: the torch profiler (CPU ops, CUDA kernels) and a Python profile of the threads that run
+    its calls. Off unless the pod was started with --profile-dir (FAILED_PRECONDITION); one profile at a time
+    (a second StartProfile while one runs: FAILED_PRECONDITION).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.StartProfile = channel.unary_unary(
+                '/tandem.v1.Profiler/StartProfile',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/tandem.v1.Profiler/StopProfile',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.FromString,
+                _registered_method=True)
+
+
+class ProfilerServicer:
+    """---------------------------------------------------------------------------------------------------------------
+    Profiler (internal, on every model pod: the gateway's /start_profile and /stop_profile fan out to it)
+    ---------------------------------------------------------------------------------------------------------------
+
+    Profiles the pod's process: the torch profiler (CPU ops, CUDA kernels) and a Python profile of the threads that run
+    its calls. Off unless the pod was started with --profile-dir (FAILED_PRECONDITION); one profile at a time
+    (a second StartProfile while one runs: FAILED_PRECONDITION).
+    """
+
+    def StartProfile(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops the running profile and writes its files; with none running, returns the files of the last one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ProfilerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.StartProfileRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.StopProfileRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.Profiler', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.Profiler', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Profiler:
+    """---------------------------------------------------------------------------------------------------------------
+    Profiler (internal, on every model pod: the gateway's /start_profile and /stop_profile fan out to it)
+    ---------------------------------------------------------------------------------------------------------------
+
+    Profiles the pod's process: the torch profiler (CPU ops, CUDA kernels) and a Python profile of the threads that run
+    its calls. Off unless the pod was started with --profile-dir (FAILED_PRECONDITION); one profile at a time
+    (a second StartProfile while one runs: FAILED_PRECONDITION).
+    """
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Profiler/StartProfile',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.StartProfileRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Profiler/StopProfile',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.StopProfileRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ProfileState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class GatewayStub:
     """---------------------------------------------------------------------------------------------------------------
     Gateway (public)
