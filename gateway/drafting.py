@@ -154,29 +154,30 @@ class Drafting:
         return trees
 
     # ---------------------------------------------------------------- fused verify → propose (drafts on the target)
-    def fused(self, seq: Sequence) -> SpecShape | None:
-        """The shape to ask the sequence's Verify to draft next (VerifyInput.propose_next), or None: only when its
+    def fused(self, seq: Sequence, shape: SpecShape) -> SpecShape | None:
+        """`shape` to ask the sequence's Verify to draft next (VerifyInput.propose_next), or None: only when its
         draft lives in the process of the pod that verifies it and knows every committed token."""
-        return self.spec.shape if self._synced_on_pod(seq) else None
+        return shape if self._synced_on_pod(seq) else None
 
-    def keep_proposal(self, seq: Sequence, proposal: ProposeOutput) -> None:
-        """A Verify's proposal for the next step (after the step's tokens were committed)."""
+    def keep_proposal(self, seq: Sequence, proposal: ProposeOutput, shape: SpecShape) -> None:
+        """A Verify's proposal (of `shape`) for the next step (after the step's tokens were committed)."""
         if proposal.status == STATUS_STALE:
             seq.draft_synced_len = 0
         elif proposal.status == STATUS_OK and proposal.base_committed_len == len(seq.committed):
             seq.draft_synced_len = len(seq.committed)
-            seq.proposal = Predraft(seq.draft, proposal.base_committed_len, [], proposal.tree)
+            seq.proposal = Predraft(seq.draft, proposal.base_committed_len, [], proposal.tree, shape)
         elif proposal.status != STATUS_OK:  # INVALID: the draft did not take the tokens; the next Propose sends them
             logger.warning("pod %s did not draft %s after its verify: %s", getattr(seq.draft, "address", None),
                            seq.seq_id, proposal.error)
 
-    def take_proposals(self, seqs: list[Sequence]) -> dict[str, DraftTree]:
-        """The trees the last Verify drafted for these sequences, where still valid (same pod, same committed length)."""
+    def take_proposals(self, seqs: list[Sequence], shape: SpecShape) -> dict[str, DraftTree]:
+        """The trees the last Verify drafted for these sequences, where still valid (same pod, same committed length)
+        and of this step's shape (an adaptive tier that moved drafts afresh); the others are dropped."""
         trees = {}
         for seq in seqs:
             proposal, seq.proposal = seq.proposal, None
             if (proposal is not None and proposal.pod is seq.draft and not self.pool.is_down(proposal.pod)
-                    and proposal.matches(seq.committed)):
+                    and proposal.matches(seq.committed) and proposal.shape == shape):
                 trees[seq.seq_id] = proposal.tree
         return trees
 

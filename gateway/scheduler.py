@@ -458,10 +458,10 @@ class Scheduler:
         self._deliver(seqs)
         return await task
 
-    async def _verify_delivering(self, seqs: list[Sequence], trees=None, fused: bool = False) -> None:
+    async def _verify_delivering(self, seqs: list[Sequence], trees=None, next_shape: SpecShape | None = None) -> None:
         """Verify `seqs` (plain decode steps without trees) and, while those calls are in flight, deliver their held
         outputs. A sequence a stop string ends meanwhile ignores its step's result (Sequence.commit) and is released."""
-        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, trees or {}, fused)))
+        task = asyncio.ensure_future(asyncio.gather(*self._verifies(seqs, trees or {}, next_shape)))
         await asyncio.sleep(0)  # let the calls go out before the host work below
         self._deliver(seqs)
         await task
@@ -481,8 +481,8 @@ class Scheduler:
     async def _sequential_step(self, seqs: list[Sequence]) -> None:
         overlap = self.drafting.overlap_enabled
         adaptive_steps = self.adaptive.steps_for(len(seqs)) if self.adaptive is not None else None
-        accepted_before = ({s.seq_id: s.accepted_draft_tokens for s in seqs} if adaptive_steps is not None
-                           else None)
+        accepted_before = ({s.seq_id: (s.accepted_draft_tokens, s.verify_steps) for s in seqs}
+                           if adaptive_steps is not None else None)
         if overlap:
             trees = self.drafting.take_predrafts(seqs)
             trees.update(await self._propose_delivering(seqs, [s for s in seqs if s.seq_id not in trees]))
@@ -493,48 +493,57 @@ class Scheduler:
             if adaptive_steps is not None:
                 self.adaptive.observe(len(seqs), adaptive_steps, None)
             return
-        elif adaptive_steps is not None:
-            trees = await self._propose_delivering(seqs, seqs, SpecShape(adaptive_steps, 1, adaptive_steps + 1))
         else:
+            # this step's shape: the adaptive tier's chain, else the configured one; a draft in the target's process
+            # drafts the next tree with it in this step's Verify (one call per step; a tier that moves drafts afresh)
+            shape = self.spec.shape if adaptive_steps is None else SpecShape(adaptive_steps, 1, adaptive_steps + 1)
             trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
-            trees.update(self.drafting.take_proposals(seqs))  # drafted by the last Verify (drafts on the target)
+            trees.update(self.drafting.take_proposals(seqs, shape))  # drafted by the last Verify (drafts on target)
             to_propose = [s for s in seqs if s.seq_id not in trees]
             if not to_propose:  # every tree came with the last Verify: deliver while this one is in flight
-                await self._verify_delivering(seqs, trees, fused=True)
+                await self._verify_delivering(seqs, trees, next_shape=shape)
+                self._observe_adaptive(seqs, adaptive_steps, trees, accepted_before)
                 return
-            trees.update(await self._propose_delivering(seqs, to_propose))
+            trees.update(await self._propose_delivering(seqs, to_propose, shape))
         seqs = [s for s in seqs if not s.finished]  # a stop string found while delivering ends a sequence here
-        verifies = self._verifies(seqs, trees, fused=not overlap and adaptive_steps is None)
+        verifies = self._verifies(seqs, trees, None if overlap else shape)
         if overlap:  # built before any await: the guesses extend the committed tokens as they are now
             predraft = self.drafting.predraft(self.drafting.predraft_items(seqs, trees))
             self.metrics.overlap_busy.inc(_overlap(*await asyncio.gather(_span(asyncio.gather(*verifies)),
                                                                          _span(predraft))))
         else:
             await asyncio.gather(*verifies)
-        if adaptive_steps is not None:
-            drafted = [s for s in seqs if s.seq_id in trees]
-            mean = (sum(s.accepted_draft_tokens - accepted_before[s.seq_id] for s in drafted) / len(drafted)
-                    if drafted else None)
-            self.adaptive.observe(len(seqs), adaptive_steps, mean)
+        self._observe_adaptive(seqs, adaptive_steps, trees, accepted_before)
 
-    def _verifies(self, seqs: list[Sequence], trees, fused: bool = False) -> list:
+    def _observe_adaptive(self, seqs: list[Sequence], steps: int | None, trees, accepted_before) -> None:
+        """--speculative-adaptive: the drafts the target accepted per speculative step this call (a co-located draft
+        may run several per call: --num-continuous-decode-steps), for the batch size's tier."""
+        if steps is None:
+            return
+        drafted = [s for s in seqs if s.seq_id in trees]
+        accepted = sum(s.accepted_draft_tokens - accepted_before[s.seq_id][0] for s in drafted)
+        run = sum(s.verify_steps - accepted_before[s.seq_id][1] for s in drafted)
+        self.adaptive.observe(len(seqs), steps, accepted / run if run else None)
+
+    def _verifies(self, seqs: list[Sequence], trees, next_shape: SpecShape | None = None) -> list:
         """One Verify call per target pod for these sequences (coroutines to await together); sequences without a
-        reachable target pod wait for one. fused: a pod that drafts in its own process drafts the next tree in the
-        same call (the sequential loop; not for pre-drafts or adaptive shapes)."""
+        reachable target pod wait for one. next_shape: a pod that drafts in its own process drafts the next tree of
+        this shape in the same call (the sequential loop; not for pre-drafts)."""
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if self._route_target(seq) and not seq.needs_target_prefill:
                 groups[seq.target].append(seq)
             elif seq.target is None:
                 self._wait_for_target(seq)
-        return [self._verify_on(pod, group, trees, fused) for pod, group in groups.items()]
+        return [self._verify_on(pod, group, trees, next_shape) for pod, group in groups.items()]
 
-    async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees, fused: bool = False) -> None:
+    async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees,
+                         next_shape: SpecShape | None = None) -> None:
         items = []
         decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
             tree = trees.get(seq.seq_id, DraftTree([], []))  # an empty tree is a plain decode step
-            propose_next = self.drafting.fused(seq) if fused else None
+            propose_next = self.drafting.fused(seq, next_shape) if next_shape is not None else None
             # a draft in the verifying pod's process takes this step's features there: they stay off the wire
             items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
                                      seq.stop, self.spec.needs_features and propose_next is None,
@@ -545,7 +554,7 @@ class Scheduler:
             results = await self.metrics.timed("verify", pod.verify(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
             if len(seqs) > 1:
-                await asyncio.gather(*(self._verify_on(pod, [seq], trees, fused) for seq in seqs))
+                await asyncio.gather(*(self._verify_on(pod, [seq], trees, next_shape) for seq in seqs))
             else:
                 seqs[0].fail(GatewayError(f"target rejected the step: {exc}"))
             return
@@ -574,7 +583,7 @@ class Scheduler:
                 if item.propose_next is not None and self.spec.needs_features and result.features is None:
                     seq.features_on_pod = True  # the draft took them on the pod: the gateway's rows end before
                 if result.proposal is not None and not seq.finished:
-                    self.drafting.keep_proposal(seq, result.proposal)
+                    self.drafting.keep_proposal(seq, result.proposal, item.propose_next)
 
 
 async def _span(work) -> tuple[float, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from core.steps import SpecShape
 from core.types import DraftTree, StopRule
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.features import FeatureLog
@@ -21,6 +22,7 @@ class Predraft:
     base_len: int
     tail: list[int]
     tree: DraftTree
+    shape: SpecShape | None = None  # the shape it was drafted with (a co-located draft's proposal)
 
     def matches(self, committed: list[int]) -> bool:
         return len(committed) == self.base_len and committed[self.base_len - len(self.tail):] == self.tail

@@ -328,3 +328,32 @@ def test_serve_colocates_by_default_only_where_the_draft_shares_the_target_devic
     # a target started on its own never loads a draft unless told to
     target = build_parser().parse_args(["target", "--speculative-algorithm", args.speculative_algorithm])
     assert not colocates_draft(target)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+async def test_adaptive_tiers_with_the_draft_in_the_target_process(models, k):
+    """--speculative-adaptive with a co-located draft: each Verify drafts the next chain at the batch size's current
+    tier, so steps stay one call each; a tier that moves drafts afresh (one Propose), batches in the no-draft tier
+    step target-only, and greedy output equals HF's (k speculative steps per call as well)."""
+    from gateway.adaptive import AdaptiveSpec, SlotConfig
+
+    path, _, hf = models
+    adaptive = AdaptiveSpec({1: SlotConfig([1, 3], warmup_batches=2, update_interval=1, up_hysteresis=-0.4),
+                             3: SlotConfig([0])}, 3)
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, adaptive=adaptive,
+                           num_continuous_decode_steps=k) as scheduler:
+        proposes, verifies = _count_wire_proposes(scheduler), _count_verify_calls(scheduler)
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+        solo = [await generate_ids(scheduler, p, 28, request_id=f"solo{i}") for i, p in cases[:2]]
+        assert {1, 3} <= set(adaptive.slots[1].history), adaptive.slots[1].history  # the tier moved both ways
+        for (i, prompt), (got, usage, _) in zip(cases, solo):
+            assert got == hf_greedy(hf, prompt, 28)
+            assert usage.proposed_draft_tokens > 0
+        moves = sum(a != b for a, b in zip(adaptive.slots[1].history, adaptive.slots[1].history[1:]))
+        assert proposes[0] <= len(solo) * (1 + moves), (proposes[0], moves)  # first steps and tier moves only
+        assert proposes[0] < verifies[0] / 2, (proposes[0], verifies[0])
+        batch = await asyncio.gather(*(generate_ids(scheduler, p, 16, request_id=f"b{i}") for i, p in cases))
+        assert [got for got, _, _ in batch] == [hf_greedy(hf, p, 16) for _, p in cases]
+        assert adaptive.slots[3].batches > 0  # the batch of three stepped target-only
+        await _assert_no_kv_leak(scheduler)
