@@ -81,6 +81,10 @@ CONFIGS.update({f"{name}-apart": [*CONFIGS[name], "--no-colocate-draft"]
 # Co-located speculative steps back to back: k verify+draft steps per Verify call (--num-continuous-decode-steps)
 CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-continuous-decode-steps", str(k)]
                 for name in ("EAGLE3-chain", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain") for k in (2, 4)})
+# torch.compile'd static steps and decode graphs at batch 1 (--enable-torch-compile: fewer, fused kernels per graph;
+# the graphs' host replay cost grows with their node count) against the plain ones (A/B)
+CONFIGS.update({f"{name}-compile": [*CONFIGS[name], "--enable-torch-compile", "--torch-compile-max-bs", "1"]
+                for name in ("AR", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: profile_serve colocate_k colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: profile_serve colocate_k compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -124,6 +124,12 @@ for s in $STAGES; do
         STANDALONE-chain EAGLE3-tree-k4 --profile-dir "$R/profiles" --out "$R/accept_profiled.json" -- \
         --device cuda --cuda-graph-max-bs 8 > "$R/accept_profiled.log" 2>&1
       grep -E "profile |^\| " "$R/accept_profiled.log" | tail -20 ;;
+    compile_steps)  # --enable-torch-compile on the static draft/verify steps and decode graphs (bs 1) vs plain graphs:
+      # fewer, fused kernels per graph replay (host replay cost grows with node count; bench/results/gpu_step_h200)
+      timeout 500 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR AR-compile EAGLE3-tree \
+        EAGLE3-tree-compile STANDALONE-chain STANDALONE-chain-compile --out "$R/accept_compile.json" -- \
+        --device cuda --cuda-graph-max-bs 8 > "$R/accept_compile.log" 2>&1
+      tail -9 "$R/accept_compile.log"; grep -E "torch.compile|compile'd|Error" "$R/accept_compile.log" | head -8 ;;
     colocate_k)  # continuous speculative steps with the draft in the target's process (serve's default since the ninth
       # session): k verify+draft steps per Verify call, k = 1 (default) / 2 / 4 -- the demo path, then 8B services
       timeout 360 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree-apart \

@@ -246,12 +246,18 @@ class CudaGraphRunner:
 def _compile(runner: ModelRunner):
     """torch.compile of the runner's model. The attention backend launches its own kernels from host-built metadata:
     it runs as it is between the compiled regions (a graph break per layer), never traced."""
+    untraced_attention(runner)
+    return torch.compile(runner.model, backend=COMPILE_BACKEND)
+
+
+def untraced_attention(runner: ModelRunner) -> None:
+    """Keep torch.compile out of the runner's attention backend: its kernels launch as they are, between compiled
+    regions (a graph break per layer)."""
     backend = runner.attn_backend
     if not getattr(backend.forward, "_tandem_not_compiled", False):
         forward = torch.compiler.disable(backend.forward)
         forward._tandem_not_compiled = True
         backend.forward = forward  # an instance attribute: this backend object only
-    return torch.compile(runner.model, backend=COMPILE_BACKEND)
 
 
 def _tree_verifier():

@@ -1,7 +1,11 @@
 """What the static steps (draft_step.StaticDraftStep, verify_step.StaticVerifyStep) share: a packed int64 input
 buffer per batch bucket filled by one host->device copy, one CUDA graph per bucket (captured largest first into one
 memory pool, warmed up outside the capture), and the same device code run eagerly where there is no graph (CPU).
-A subclass defines the device code (`run`) and the padding rows (`_pad_inputs`)."""
+A subclass defines the device code (`run`) and the padding rows (`_pad_inputs`).
+
+Under --enable-torch-compile the graphs of at most --torch-compile-max-bs sequences capture the device code compiled
+by torch.compile (the whole step: model forwards, top-k, tree selection, compaction; the attention kernels stay as
+they are), so a replay launches fewer, fused kernels (a graph's host replay cost grows with its node count)."""
 from __future__ import annotations
 
 import logging
@@ -32,6 +36,10 @@ class StaticStep:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.num_replays = 0
+        ec = runner.engine_config
+        self.compile_max_bs = ec.torch_compile_max_bs if ec.enable_torch_compile else 0
+        self._compiled = None  # torch.compile of `run`, made on first use
+        self.compiled_sizes: list[int] = []  # buckets whose graph captured the compiled code
 
     def run(self, num_seqs: int) -> torch.Tensor:
         raise NotImplementedError
@@ -39,6 +47,28 @@ class StaticStep:
     def _pad_inputs(self, bs: int) -> None:
         """Padding rows in the device inputs (before a capture)."""
         self.inputs[:bs].copy_(self.new_host_rows(bs))
+
+    def code_for(self, bs: int):
+        """The device code a bucket's graph captures: `run`, or under --enable-torch-compile (buckets up to
+        --torch-compile-max-bs) its torch.compile."""
+        if bs > self.compile_max_bs:
+            return self.run
+        if self._compiled is None:
+            import torch._dynamo
+
+            from runtime import cuda_graph
+
+            cuda_graph.untraced_attention(self.runner)
+            self._untraced_kernels()
+            # one compilation per bucket (the bucket is a Python int the code specialises on)
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) + 8)
+            self._compiled = torch.compile(self.run, backend=cuda_graph.COMPILE_BACKEND, dynamic=False)
+        return self._compiled
+
+    def _untraced_kernels(self) -> None:
+        """Keep torch.compile out of the step's own Triton kernels (they launch as they are, between compiled
+        regions); a subclass wraps the ones its device code calls."""
 
     def capture(self, label: str) -> None:
         """One CUDA graph per batch bucket; nothing on CPU (the device code then runs eagerly)."""
@@ -50,18 +80,31 @@ class StaticStep:
         with torch.inference_mode(), graph_capture_mode():
             for bs in reversed(self.sizes):
                 self._pad_inputs(bs)
-                for _ in range(2):  # warm-up outside the capture: Triton JIT, cuBLAS heuristics
-                    self.run(bs)
+                code = self.code_for(bs)
+                try:
+                    for _ in range(2):  # warm-up outside the capture: torch.compile, Triton JIT, cuBLAS heuristics
+                        code(bs)
+                except Exception as exc:  # noqa: BLE001 - a failed compilation is not fatal: capture the plain code
+                    if code == self.run:
+                        raise
+                    logger.warning("%s: torch.compile of the static step failed (%s: %s); its graphs capture the "
+                                   "plain device code", label, type(exc).__name__, exc)
+                    self.compile_max_bs, code = 0, self.run
+                    for _ in range(2):
+                        code(bs)
+                if code != self.run:
+                    self.compiled_sizes.append(bs)
                 torch.cuda.synchronize(self.runner.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.outputs[bs] = self.run(bs)
+                    self.outputs[bs] = code(bs)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[bs] = graph
         torch.cuda.synchronize(self.runner.device)
-        logger.info("%s: captured %d CUDA graphs (batch sizes %s) in %.1f s", label, len(self.graphs), self.sizes,
-                    time.perf_counter() - t0)
+        compiled = f", torch.compile'd for {sorted(self.compiled_sizes)}" if self.compiled_sizes else ""
+        logger.info("%s: captured %d CUDA graphs (batch sizes %s%s) in %.1f s", label, len(self.graphs), self.sizes,
+                    compiled, time.perf_counter() - t0)
 
     def bucket_for(self, num_seqs: int) -> int:
         bs = next((s for s in self.sizes if s >= num_seqs), None)

@@ -111,6 +111,10 @@ class StaticVerifyStep(StaticStep):
             parts.append(feats[rows].contiguous().view(torch.uint8).reshape(-1))
         return torch.cat(parts)
 
+    def _untraced_kernels(self) -> None:
+        self._walk = torch.compiler.disable(self._walk)
+        self._compact = torch.compiler.disable(self._compact)
+
     def _compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv = self.runner.kv_pool.kv
         if kv.device.type == "cuda":

@@ -231,3 +231,44 @@ def test_eagle3_predraft_static_matches_eager_and_a_miss_rolls_back(tmp_path, sp
     assert static_run[0] == eager_run[0], "pre-draft: static step and eager differ"
     assert static_run[2:] == eager_run[2:] == fresh[2:], "after a miss the draft must be as if it never guessed"
     assert not static_run[1] and not eager_run[1], "own hiddens of a wrong guess must be dropped"
+
+
+def test_static_steps_under_torch_compile_match_eager(llama, monkeypatch):
+    """--enable-torch-compile: the graphs of <= --torch-compile-max-bs sequences capture the static draft and verify
+    steps' device code compiled by torch.compile (dynamo's "eager" backend here: tracing, graph breaks around the
+    attention kernels, guards; inductor's fusion runs on the GPU). Run through the compiled code, the trees and the
+    generation equal the eager proposer's and the eager verify's."""
+    import runtime.cuda_graph as cuda_graph
+    from runtime.speculative.static_step import StaticStep
+    from target_service.engine import TargetEngine
+    from tests.graphs.test_verify_step import _generate, Method
+
+    monkeypatch.setattr(cuda_graph, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    used = []
+
+    def replay(self, bs):  # as a captured graph would: the code its capture ran
+        code = self.code_for(bs)
+        used.append((type(self).__name__, bs, code != self.run))
+        with torch.inference_mode():
+            return code(bs)
+
+    monkeypatch.setattr(StaticStep, "replay", replay)
+    results = []
+    for compiled in (True, False):
+        cfg = _config(enable_torch_compile=compiled, torch_compile_max_bs=2, max_total_tokens=4096)
+        engine = TargetEngine(ModelRunner(llama, cfg))
+        assert engine.enable_static_verify(TREE.num_draft_tokens, max_bs=4)
+        proposer = StandaloneProposer(ModelRunner(llama, cfg))
+        assert proposer.enable_static_step(TREE, max_bs=4)
+        rng = random.Random(8)
+        prompts = [[rng.randrange(3, 320) for _ in range(6 + i)] for i in range(2)]
+        committed: dict = {}
+        steps, _ = _generate(engine, proposer, Method("m", "STANDALONE", TREE.num_steps, TREE.topk,
+                                                      TREE.num_draft_tokens), prompts, 10, 0.0, 0, outputs=committed)
+        results.append((committed, steps))
+    assert results[0] == results[1]
+    ran = {(name, c) for name, _, c in used}
+    assert {("StaticDraftStep", True), ("StaticVerifyStep", True)} <= ran, used  # the compiled code ran
+    assert ("StaticVerifyStep", False) in ran  # and the plain code without --enable-torch-compile
+    torch._dynamo.reset()
