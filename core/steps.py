@@ -38,6 +38,8 @@ class PrefillInput:
     logprobs: int = -1  # -1: none; k >= 0: the sampled token's logprob and the top k alternatives
     # A target with a draft in its own process: prefill that draft too, handing it the features there (not returned)
     prefill_draft: bool = False
+    # ... and have it draft the first tree of this shape (StepOutput.proposal): the first step needs no Propose
+    propose_next: SpecShape | None = None
 
 
 @dataclass

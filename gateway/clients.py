@@ -226,13 +226,16 @@ class TargetClient(_Client):
             pb.TargetPrefillSeq(seq_id=i.seq_id, token_ids=i.token_ids, sample_next_token=i.sample_next_token,
                                 sampling=_sampling(i.sampling), stop=_stop(i.stop), return_features=i.return_features,
                                 return_logprobs=i.logprobs >= 0, top_logprobs=max(i.logprobs, 0),
-                                prefill_draft=i.prefill_draft)
+                                prefill_draft=i.prefill_draft,
+                                propose_next=_spec(i.propose_next) if i.propose_next is not None else None)
             for i in items])
         response = await self._call(self.stub.Prefill, request)
         return [StepOutput(r.seq_id, _status(r.status), list(r.token_ids),
                            finish_reason=_FINISH_FROM_PB.get(r.finish_reason), error=r.error,
                            features=_features_from_pb(r.features), logprobs=_logprobs(r),
-                           num_cached_tokens=r.num_cached_tokens) for r in response.results]
+                           num_cached_tokens=r.num_cached_tokens,
+                           proposal=_proposal(r.proposal) if r.HasField("proposal") else None)
+                for r in response.results]
 
     async def verify(self, items: list[VerifyInput]) -> list[StepOutput]:
         request = pb.VerifyRequest(seqs=[

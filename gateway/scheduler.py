@@ -362,10 +362,13 @@ class Scheduler:
     async def _prefill_on(self, pod: TargetClient, seqs: list[Sequence]) -> None:
         # New sequences sample their first token; re-synced ones only rebuild KV (their last token stays pending).
         feats = self.spec.needs_features
-        # a feature draft in the target's process is prefilled there, its features handed over on the pod
-        on_pod = feats and self.drafting.on_target
+        # a draft in the target's process is prefilled there (a feature draft's features handed over on the pod) and
+        # drafts the first tree in the same call: the first step needs no Propose
+        shape = self._shape_for(len(self._running))
+        on_pod = self.drafting.on_target and (feats or shape is not None)
         items = [PrefillInput(s.seq_id, s.committed[:], s.num_output == 0, s.params.sampling, s.stop, feats,
-                              _logprobs(s), prefill_draft=on_pod) for s in seqs]
+                              _logprobs(s), prefill_draft=on_pod, propose_next=shape if on_pod else None)
+                 for s in seqs]
         try:
             results = await self.metrics.timed("prefill", pod.prefill(items))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
@@ -395,8 +398,12 @@ class Scheduler:
                 seq.fail(InvalidRequest(result.error or "target rejected the prompt"))
             elif result.token_ids:
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs)
-            if on_pod and result.status == STATUS_OK and result.features is None and not seq.finished:
+            # the pod's draft took the sequence: a feature draft's features stayed there, a token draft drafted
+            if (on_pod and result.status == STATUS_OK and not seq.finished
+                    and (result.features is None if feats else result.proposal is not None)):
                 self.drafting.prefilled_on_pod(seq)
+                if result.proposal is not None:
+                    self.drafting.keep_proposal(seq, result.proposal, shape)
 
     async def _step(self, seqs: list[Sequence]) -> None:
         """One step of the running batch (step_time), or one ping-pong phase: half of it verifies, half drafts
@@ -496,7 +503,7 @@ class Scheduler:
         else:
             # this step's shape: the adaptive tier's chain, else the configured one; a draft in the target's process
             # drafts the next tree with it in this step's Verify (one call per step; a tier that moves drafts afresh)
-            shape = self.spec.shape if adaptive_steps is None else SpecShape(adaptive_steps, 1, adaptive_steps + 1)
+            shape = self._shape_for(len(seqs))
             trees = self._take_pending(seqs)  # left by ping-pong phases before the switch to sequential steps
             trees.update(self.drafting.take_proposals(seqs, shape))  # drafted by the last Verify (drafts on target)
             to_propose = [s for s in seqs if s.seq_id not in trees]
@@ -514,6 +521,14 @@ class Scheduler:
         else:
             await asyncio.gather(*verifies)
         self._observe_adaptive(seqs, adaptive_steps, trees, accepted_before)
+
+    def _shape_for(self, batch_size: int) -> SpecShape | None:
+        """The draft shape of a step over batch_size sequences: the configured one, or the adaptive tier's chain
+        (None: the tier does not draft)."""
+        if self.adaptive is None:
+            return self.spec.shape
+        steps = self.adaptive.steps_for(batch_size)
+        return SpecShape(steps, 1, steps + 1) if steps else None
 
     def _observe_adaptive(self, seqs: list[Sequence], steps: int | None, trees, accepted_before) -> None:
         """--speculative-adaptive: the drafts the target accepted per speculative step this call (a co-located draft

@@ -100,7 +100,7 @@ def prefill_inputs(request: pb.TargetPrefillRequest, limits: Limits | None = Non
         return PrefillInput(seq_id=s.seq_id, token_ids=list(s.token_ids), sample_next_token=s.sample_next_token,
                             sampling=sampling_from_pb(s.sampling, vocab), stop=stop_from_pb(s.stop),
                             return_features=s.return_features, logprobs=logprobs_from_pb(s),
-                            prefill_draft=s.prefill_draft)
+                            prefill_draft=s.prefill_draft, propose_next=_shape(s))
 
     return _per_seq(request.seqs, one)
 
@@ -118,9 +118,7 @@ def verify_inputs(request: pb.VerifyRequest, limits: Limits | None = None) -> li
                            tree=tree_from_pb(s.tree, limits), sampling=sampling_from_pb(s.sampling, vocab),
                            stop=stop_from_pb(s.stop), return_features=s.return_features,
                            num_decode_steps=max(1, s.num_decode_steps), logprobs=logprobs_from_pb(s),
-                           propose_next=(SpecShape(s.propose_next.num_steps, max(1, s.propose_next.topk),
-                                                   s.propose_next.num_draft_tokens)
-                                         if s.HasField("propose_next") else None))
+                           propose_next=_shape(s))
 
     return _per_seq(request.seqs, one)
 
@@ -137,12 +135,21 @@ def merge(slots: list[StepOutput | None], outputs: list[StepOutput]) -> list[Ste
     return [slot if slot is not None else next(it) for slot in slots]
 
 
+def _shape(s) -> SpecShape | None:
+    """A step message's propose_next, when set."""
+    if not s.HasField("propose_next"):
+        return None
+    return SpecShape(s.propose_next.num_steps, max(1, s.propose_next.topk), s.propose_next.num_draft_tokens)
+
+
 def prefill_result(out: StepOutput) -> pb.TargetPrefillResult:
     msg = pb.TargetPrefillResult(seq_id=out.seq_id, status=int(out.status), token_ids=out.token_ids,
                                  finish_reason=FINISH_TO_PB[out.finish_reason], error=out.error, logprobs=_logprobs_pb(out),
                                  num_cached_tokens=out.num_cached_tokens)
     if out.features is not None:
         msg.features.CopyFrom(tensor_to_pb(out.features))
+    if out.proposal is not None:
+        msg.proposal.CopyFrom(propose_result(out.proposal))
     return msg
 
 

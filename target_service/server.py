@@ -64,6 +64,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
         if self.drafter is not None and any(inp.prefill_draft for inp in inputs):
             await self._prefill_draft(inputs, prefilled, owner)
+        elif any(inp.propose_next is not None for inp in inputs):  # no draft here: each such sequence is told so
+            await self._draft_next([(inp, out, len(inp.token_ids) + len(out.token_ids), [], None)
+                                    for inp, out in zip(inputs, prefilled) if inp.propose_next is not None
+                                    and out.status == Status.OK and out.finish_reason is None])
         outputs = convert.merge(slots, prefilled)
         return pb.TargetPrefillResponse(
             results=[convert.prefill_result(o) for o in outputs], memory=self._memory(),
@@ -114,7 +118,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def _prefill_draft(self, inputs: list[PrefillInput], outputs: list[StepOutput], owner: str) -> None:
         """PrefillInput.prefill_draft: the draft in this process is prefilled with each sequence's committed tokens
         (the sampled first token included) and their features, handed over on the device; those features are then
-        not returned. A draft prefill that fails leaves them in the output (the gateway prefills the draft itself)."""
+        not returned. A draft prefill that fails leaves them in the output (the gateway prefills the draft itself).
+        With propose_next the draft then drafts each sequence's first tree (StepOutput.proposal), as the Propose
+        that would follow."""
         done = [(inp, out) for inp, out in zip(inputs, outputs)
                 if inp.prefill_draft and out.status == Status.OK and out.finish_reason is None
                 and (out.features is not None or not self.drafter.proposer.needs_features)]
@@ -122,9 +128,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return
         statuses = await self.drafter.prefill_local(
             [(inp.seq_id, [*inp.token_ids, *out.token_ids], out.features) for inp, out in done], owner)
-        for (_, out), status in zip(done, statuses):
+        asks = []
+        for (inp, out), status in zip(done, statuses):
             if status == Status.OK:
                 out.features = None
+                if inp.propose_next is not None:  # the draft knows every committed token: nothing new to feed it
+                    asks.append((inp, out, len(inp.token_ids) + len(out.token_ids), [], None))
+        await self._draft_next(asks)
 
     async def _speculative_steps(self, inputs: list[VerifyInput], outputs: list[StepOutput], steps: list[int],
                                  wire_features: list[bool]) -> float:
@@ -166,26 +176,33 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from
         this verify's outcome — the accepted tokens and, for feature drafts, their target features, handed over on
         the device — as the Propose that would follow this Verify (one round trip per step instead of two)."""
-        items: list[tuple[StepOutput, ProposeInput]] = []
+        asks = []
         for inp, out in zip(inputs, outputs):
             if inp.propose_next is None or out.status != Status.OK or out.finish_reason is not None:
-                continue
-            committed_len = inp.committed_len + len(out.token_ids)
-            if self.drafter is None:
-                out.proposal = ProposeOutput(out.seq_id, Status.INVALID, base_committed_len=committed_len,
-                                             error="this target pod drafts nothing itself (ModelInfo.algorithm)")
-                continue
-            try:
-                check_spec(inp.propose_next, self.drafter.limits)
-            except ValueError as exc:
-                out.proposal = ProposeOutput(out.seq_id, Status.INVALID, base_committed_len=committed_len,
-                                             error=f"propose_next: {exc}")
                 continue
             # a copy: the rows of a static verify step live in its graph's output buffer, which the next replay
             # overwrites, and the draft may keep them
             features = out.features.clone() if out.features is not None else None
-            items.append((out, ProposeInput(out.seq_id, committed_len, list(out.token_ids), inp.propose_next,
-                                            features, sampling=None if inp.sampling.is_greedy else inp.sampling)))
+            asks.append((inp, out, inp.committed_len + len(out.token_ids), list(out.token_ids), features))
+        await self._draft_next(asks)
+
+    async def _draft_next(self, asks: list[tuple]) -> None:
+        """The Proposes that follow a Prefill or Verify in this process: each ask is (input with propose_next and
+        sampling, its output, the committed length after it, the tokens and features the draft has not seen); the
+        trees (or why none) land in the outputs' proposal."""
+        items: list[tuple[StepOutput, ProposeInput]] = []
+        for inp, out, committed_len, new_tokens, features in asks:
+            error = "this target pod drafts nothing itself (ModelInfo.algorithm)" if self.drafter is None else None
+            if error is None:
+                try:
+                    check_spec(inp.propose_next, self.drafter.limits)
+                except ValueError as exc:
+                    error = f"propose_next: {exc}"
+            if error is not None:
+                out.proposal = ProposeOutput(out.seq_id, Status.INVALID, base_committed_len=committed_len, error=error)
+                continue
+            items.append((out, ProposeInput(out.seq_id, committed_len, new_tokens, inp.propose_next, features,
+                                            sampling=None if inp.sampling.is_greedy else inp.sampling)))
         if items:
             for (out, _), proposal in zip(items, await self.drafter.propose_local([item for _, item in items])):
                 out.proposal = proposal

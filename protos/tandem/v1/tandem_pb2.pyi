@@ -140,7 +140,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetPrefillSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_features", "return_logprobs", "top_logprobs", "prefill_draft")
+    __slots__ = ("seq_id", "token_ids", "sample_next_token", "sampling", "stop", "return_features", "return_logprobs", "top_logprobs", "prefill_draft", "propose_next")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class TargetPrefillSeq(_message.Message):
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_NEXT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sample_next_token: bool
@@ -159,7 +160,8 @@ class TargetPrefillSeq(_message.Message):
     return_logprobs: bool
     top_logprobs: int
     prefill_draft: bool
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prefill_draft: _Optional[bool] = ...) -> None: ...
+    propose_next: SpecParams
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sample_next_token: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prefill_draft: _Optional[bool] = ..., propose_next: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
 
 class TargetPrefillRequest(_message.Message):
     __slots__ = ("seqs",)
@@ -168,7 +170,7 @@ class TargetPrefillRequest(_message.Message):
     def __init__(self, seqs: _Optional[_Iterable[_Union[TargetPrefillSeq, _Mapping]]] = ...) -> None: ...
 
 class TargetPrefillResult(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "features", "error", "logprobs", "num_cached_tokens")
+    __slots__ = ("seq_id", "status", "token_ids", "finish_reason", "features", "error", "logprobs", "num_cached_tokens", "proposal")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +179,7 @@ class TargetPrefillResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SeqStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -185,7 +188,8 @@ class TargetPrefillResult(_message.Message):
     error: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     num_cached_tokens: int
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    proposal: ProposeResult
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SeqStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ..., proposal: _Optional[_Union[ProposeResult, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
