@@ -65,6 +65,8 @@ class DFlashProposer(Proposer):
         self.kv_pool = KVPool(m.num_layers, num_blocks, engine_config.block_size, m.num_kv_heads, m.head_dim,
                               self.dtype, device)
         self._ctx: dict[str, _SeqContext] = {}
+        self.engine_config = engine_config
+        self._block_step = None  # runtime.speculative.block_step.StaticBlockDraftStep, see enable_static_step
 
     # ---- bookkeeping hooks -----------------------------------------------------------------------------------------
     def memory(self) -> tuple[int, int]:
@@ -121,6 +123,20 @@ class DFlashProposer(Proposer):
         else:
             ctx.pending = torch.cat([ctx.pending[:start - ctx.pending_start], features])
 
+    def enable_static_step(self, spec, max_bs: int) -> bool:
+        """Propose blocks of the draft's own size as one static device step (runtime/speculative/block_step.py: one
+        CUDA graph per batch bucket on CUDA, eager elsewhere), paged attention over the context KV instead of the
+        dense gather. Not with --speculative-draft-window-size (a ring of context slots); returns whether it is on."""
+        if self.window_size is not None or spec.num_draft_tokens != self.block_size or self.block_size < 2:
+            return False
+        from runtime.speculative.block_step import StaticBlockDraftStep
+
+        step = StaticBlockDraftStep(self.model, self.kv_pool, self.block_manager, self.engine_config,
+                                    self.max_context_len, self.block_size, self.mask_token_id, max_bs)
+        step.capture()
+        self._block_step = step
+        return True
+
     # ---- drafting ----------------------------------------------------------------------------------------------------
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         trees: dict[str, DraftTree] = {}
@@ -131,7 +147,8 @@ class DFlashProposer(Proposer):
                 if inp.seq_id in ready and inp.spec.num_draft_tokens >= 2 and inp.committed_len < self.max_context_len:
                     groups[inp.spec.num_draft_tokens].append(inp)
             for block, group in groups.items():
-                trees.update(self._draft_blocks(group, block))
+                static = self._draft_static(group) if block == self.block_size else None
+                trees.update(static if static is not None else self._draft_blocks(group, block))
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
 
     def _inject(self, seq_ids: list[str]) -> set[str]:
@@ -168,6 +185,31 @@ class DFlashProposer(Proposer):
             for layer, (k, v) in enumerate(self.model.context_kv(feats, pos)):  # (N, kvh, hd) each
                 self.kv_pool.write(layer, slot_t, k, v)
         return ready
+
+    def _draft_static(self, group: list[ProposeInput]) -> dict[str, DraftTree] | None:
+        """The block forward of these sequences as the static step (when enabled and every sequence fits it); the
+        block's K/V go to scratch slots just past each context, given back after. None = draft eagerly."""
+        step, bm, block = self._block_step, self.block_manager, self.block_size
+        if step is None or len(group) > step.max_bs:
+            return None
+        ends = {inp.seq_id: self._ctx[inp.seq_id].end for inp in group}
+        if not all(step.fits(ends[inp.seq_id]) for inp in group):
+            return None
+        try:
+            for inp in group:
+                bm.ensure_capacity(inp.seq_id, ends[inp.seq_id] + block)
+        except OutOfKVBlocks:
+            for inp in group:
+                bm.truncate(inp.seq_id, ends[inp.seq_id])
+            return None
+        chains = step.propose([(self._tokens[inp.seq_id][-1], inp.committed_len - 1, ends[inp.seq_id],
+                                bm.slots(inp.seq_id, ends[inp.seq_id], ends[inp.seq_id] + block),
+                                bm.block_table(inp.seq_id)) for inp in group])
+        trees = {}
+        for inp, chain in zip(group, chains):
+            bm.truncate(inp.seq_id, ends[inp.seq_id])  # the block's slots were scratch
+            trees[inp.seq_id] = DraftTree.chain(chain[:self.max_context_len - inp.committed_len])
+        return trees
 
     def _draft_blocks(self, group: list[ProposeInput], block: int) -> dict[str, DraftTree]:
         """One forward over every sequence's block [t_{C-1}, MASK x (block-1)] at positions C-1..; the argmax of rows

@@ -293,14 +293,14 @@ def _static_verify(engine, args: argparse.Namespace) -> None:
 
 def _static_step(proposer, args: argparse.Namespace):
     """Propose the served shape, and with --speculative-adaptive every tier's chain (steps/1/steps+1), as one static
-    device step each (one CUDA graph per batch bucket) where the draft runner can (a GPU, the triton backend, graphs
-    on); other shapes (pre-drafts) and other devices draft step by step."""
+    device step each (one CUDA graph per batch bucket) where the drafter can (a GPU, graphs on; a draft runner with
+    the triton backend, or DFLASH's block forward); other shapes (pre-drafts) and other devices draft step by step."""
     from core.steps import SpecShape
 
     steps, topk, ndt = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
-    runner = proposer.runner
-    if (runner is None or getattr(args, "disable_static_draft_step", False) or not steps or runner.device.type != "cuda"
-            or getattr(args, "disable_cuda_graph", False)):
+    device = proposer.runner.device if proposer.runner is not None else getattr(proposer, "device", None)
+    if (device is None or getattr(args, "disable_static_draft_step", False) or not steps or device.type != "cuda"
+            or getattr(args, "disable_cuda_graph", False) or not hasattr(proposer, "enable_static_step")):
         return proposer
     shapes = [SpecShape(steps, topk, ndt)]
     if getattr(args, "speculative_adaptive", False):

@@ -58,7 +58,6 @@ class StaticStep:
 
             from runtime import cuda_graph
 
-            cuda_graph.untraced_attention(self.runner)
             self._untraced_kernels()
             # one compilation per bucket (the bucket is a Python int the code specialises on)
             limit = torch._dynamo.config.recompile_limit
@@ -67,8 +66,11 @@ class StaticStep:
         return self._compiled
 
     def _untraced_kernels(self) -> None:
-        """Keep torch.compile out of the step's own Triton kernels (they launch as they are, between compiled
-        regions); a subclass wraps the ones its device code calls."""
+        """Keep torch.compile out of the step's Triton kernels (they launch as they are, between compiled regions):
+        the runner's attention backend; a subclass adds the other ones its device code calls."""
+        from runtime import cuda_graph
+
+        cuda_graph.untraced_attention(self.runner)
 
     def capture(self, label: str) -> None:
         """One CUDA graph per batch bucket; nothing on CPU (the device code then runs eagerly)."""

@@ -112,6 +112,7 @@ class StaticVerifyStep(StaticStep):
         return torch.cat(parts)
 
     def _untraced_kernels(self) -> None:
+        super()._untraced_kernels()
         self._walk = torch.compiler.disable(self._walk)
         self._compact = torch.compiler.disable(self._compact)
 
