@@ -61,8 +61,8 @@ for s in $STAGES; do
         --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 \
         --out-dir "$R/spec_services" > "$R/spec_services.log" 2>&1
       cat "$R/spec_services/results.md" 2>/dev/null || tail -20 "$R/spec_services.log" ;;
-    serve_decode)  # AR batch 1 through gateway + gRPC (target >= 210 tok/s), one and four steps per call
-      for k in 1 4; do
+    serve_decode)  # AR batch 1 through gateway + gRPC (target >= 210 tok/s), one, four and eight steps per call (default 4: AUTO_CONTINUOUS_DECODE_STEPS)
+      for k in 1 4 8; do
         timeout 120 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --out-dir "$R/serve_decode_k$k" \
           -- --cuda-graph-max-bs 4 --num-continuous-decode-steps $k > "$R/serve_decode_k$k.log" 2>&1
         cat "$R/serve_decode_k$k/results.md" 2>/dev/null || tail -5 "$R/serve_decode_k$k.log"
