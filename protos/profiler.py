@@ -11,7 +11,8 @@ A profile records, for the calls the process serves while it runs:
 
 It is off unless the process was started with `--profile-dir` (or TANDEM_TORCH_PROFILER_DIR); every file goes there.
 One profile at a time per process. `num_steps` stops it by itself after that many step calls (a target's Verify, a
-draft pod's Propose, a gateway iteration), so a profile can cover a window of a long run.
+draft pod's Propose, a gateway iteration), so a profile can cover a window of a long run; every profile stops by
+itself after MAX_PROFILE_STEPS (the torch profiler holds its events in memory until it stops).
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 PROFILE_DIR_ENV = "TANDEM_TORCH_PROFILER_DIR"
 ACTIVITIES = ("CPU", "GPU")
+# A profile forgotten by its caller stops by itself here: the torch profiler keeps every event in memory until it
+# stops (an 8B model launches thousands of kernels per step), so an unbounded one would grow until the host runs out.
+MAX_PROFILE_STEPS = 2000
 _PROFILE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -52,8 +56,8 @@ class ProfileOptions:
 
     def validate(self) -> None:
         """ValueError (INVALID_ARGUMENT / HTTP 400) for options no profile can take."""
-        if self.num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if not 0 <= self.num_steps <= MAX_PROFILE_STEPS:
+            raise ValueError(f"num_steps must be in 0..{MAX_PROFILE_STEPS}, got {self.num_steps}")
         bad = [a for a in self.activities if a not in ACTIVITIES]
         if bad:
             raise ValueError(f"unknown profiler activities {bad}: use {list(ACTIVITIES)}")
@@ -150,7 +154,12 @@ class ProcessProfiler:
         if not self.active:
             return False
         self._steps += 1
-        return bool(self._options.num_steps) and self._steps >= self._options.num_steps
+        if self._steps >= (self._options.num_steps or MAX_PROFILE_STEPS):
+            if not self._options.num_steps:
+                logger.warning("%s: the profile reached %d steps without /stop_profile: stopping it", self.process,
+                               MAX_PROFILE_STEPS)
+            return True
+        return False
 
     def stop(self) -> ProfileState:
         """Stop the running profile and write its files (the cProfile of another thread is disabled and read from

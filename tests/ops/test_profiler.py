@@ -93,3 +93,15 @@ def test_another_threads_python_is_profiled_too(tmp_path):
     state = prof.stop()
     stats = pstats.Stats(next(f for f in state.files if f.endswith(".host.prof")))
     assert any(name == "_on_the_worker" for (_, _, name) in stats.stats)
+
+
+def test_a_forgotten_profile_stops_by_itself(tmp_path, monkeypatch):
+    import protos.profiler as profiler
+
+    monkeypatch.setattr(profiler, "MAX_PROFILE_STEPS", 3)
+    prof = ProcessProfiler("gateway", str(tmp_path))
+    prof.start(ProfileOptions(activities=("CPU",)))  # no num_steps, never stopped by its caller
+    assert [prof.step() for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="num_steps must be in 0..3"):
+        ProcessProfiler("x", str(tmp_path)).start(ProfileOptions(num_steps=4))
+    assert prof.stop().num_steps == 3
