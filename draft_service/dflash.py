@@ -25,6 +25,7 @@ from runtime.config import EngineConfig, ModelConfig
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 from runtime.kv_pool import KVPool
 from runtime.models.dflash import dflash_capture_layers, load_dflash_draft
+from runtime.speculative.block_step import BlockItem
 
 logger = logging.getLogger(__name__)
 _CTX_ALIGN = 16  # padded context length granularity of a batched block forward (fewer distinct shapes)
@@ -141,15 +142,32 @@ class DFlashProposer(Proposer):
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         trees: dict[str, DraftTree] = {}
         with torch.inference_mode():
-            ready = self._inject([inp.seq_id for inp in inputs])
+            # the static step takes a whole batch of served-size blocks, their few new context rows injected inside
+            whole = self._draft_static(self._static_batch(inputs)) or {}
+            trees.update(whole)
+            rest = [inp for inp in inputs if inp.seq_id not in whole]
+            ready = self._inject([inp.seq_id for inp in rest])
             groups: dict[int, list[ProposeInput]] = defaultdict(list)
-            for inp in inputs:
+            for inp in rest:
                 if inp.seq_id in ready and inp.spec.num_draft_tokens >= 2 and inp.committed_len < self.max_context_len:
                     groups[inp.spec.num_draft_tokens].append(inp)
             for block, group in groups.items():
                 static = self._draft_static(group) if block == self.block_size else None
                 trees.update(static if static is not None else self._draft_blocks(group, block))
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
+
+    def _static_batch(self, inputs: list[ProposeInput]) -> list[ProposeInput]:
+        """The batch when the static step can take all of it as it stands (served block size, within its buckets,
+        at most a block of pending context rows each: a step's accepted tokens); else none of it."""
+        step = self._block_step
+        if step is None or not inputs or len(inputs) > step.max_bs:
+            return []
+        for inp in inputs:
+            ctx = self._ctx.get(inp.seq_id)
+            if (ctx is None or inp.spec.num_draft_tokens != self.block_size or inp.committed_len >= self.max_context_len
+                    or (ctx.pending is not None and ctx.pending.shape[0] > self.block_size)):
+                return []
+        return inputs
 
     def _inject(self, seq_ids: list[str]) -> set[str]:
         """Write the pending context features of these sequences into the draft KV (one projection for all); returns
@@ -187,27 +205,39 @@ class DFlashProposer(Proposer):
         return ready
 
     def _draft_static(self, group: list[ProposeInput]) -> dict[str, DraftTree] | None:
-        """The block forward of these sequences as the static step (when enabled and every sequence fits it); the
-        block's K/V go to scratch slots just past each context, given back after. None = draft eagerly."""
+        """The block forward of these sequences as the static step (when enabled and every sequence fits it), their
+        pending context rows (at most a block each) injected in the same step; the block's K/V go to scratch slots
+        just past each context, given back after. None = nothing done (draft eagerly)."""
         step, bm, block = self._block_step, self.block_manager, self.block_size
-        if step is None or len(group) > step.max_bs:
+        if step is None or not group or len(group) > step.max_bs:
             return None
-        ends = {inp.seq_id: self._ctx[inp.seq_id].end for inp in group}
-        if not all(step.fits(ends[inp.seq_id]) for inp in group):
-            return None
+        plans = []  # (input, context end before, pending rows or None, context end after)
+        for inp in group:
+            ctx = self._ctx[inp.seq_id]
+            rows = ctx.pending
+            if rows is not None and rows.shape[0] > block:
+                return None
+            after = ctx.end + (0 if rows is None else rows.shape[0])
+            if not step.fits(after):
+                return None
+            plans.append((inp, ctx.end, rows, after))
         try:
-            for inp in group:
-                bm.ensure_capacity(inp.seq_id, ends[inp.seq_id] + block)
+            for inp, _, _, after in plans:
+                bm.ensure_capacity(inp.seq_id, after + block)
         except OutOfKVBlocks:
-            for inp in group:
-                bm.truncate(inp.seq_id, ends[inp.seq_id])
+            for inp, before, _, _ in plans:
+                bm.truncate(inp.seq_id, before)
             return None
-        chains = step.propose([(self._tokens[inp.seq_id][-1], inp.committed_len - 1, ends[inp.seq_id],
-                                bm.slots(inp.seq_id, ends[inp.seq_id], ends[inp.seq_id] + block),
-                                bm.block_table(inp.seq_id)) for inp in group])
+        chains = step.propose([
+            BlockItem(self._tokens[inp.seq_id][-1], inp.committed_len - 1, after,
+                      bm.slots(inp.seq_id, after, after + block), bm.block_table(inp.seq_id), before,
+                      [] if rows is None else bm.slots(inp.seq_id, before, after), rows)
+            for inp, before, rows, after in plans])
         trees = {}
-        for inp, chain in zip(group, chains):
-            bm.truncate(inp.seq_id, ends[inp.seq_id])  # the block's slots were scratch
+        for (inp, _, _, after), chain in zip(plans, chains):
+            ctx = self._ctx[inp.seq_id]
+            ctx.end, ctx.pending, ctx.pending_start = after, None, after  # the context rows are in the KV now
+            bm.truncate(inp.seq_id, after)  # the block's slots were scratch
             trees[inp.seq_id] = DraftTree.chain(chain[:self.max_context_len - inp.committed_len])
         return trees
 

@@ -122,36 +122,31 @@ def test_static_verify_graphs_match_eager(algorithm, spec):
 
 
 def test_static_dflash_block_step_graphs_match_eager(tmp_path):
-    """DFLASH's block forward as CUDA graphs (runtime/speculative/block_step.py, paged context KV) drafts the eager
-    proposer's chains (dense gather + SDPA) on the demo target with a random block-4 draft, batch 1 and 5, and a
-    Propose replays one graph."""
-    from core.steps import ProposeInput
-    from core.types import SeqStatus
+    """DFLASH's block forward as CUDA graphs (runtime/speculative/block_step.py: paged context KV, a step's new context
+    rows injected in the graph) drafts the eager proposer's chains (dense gather + SDPA) on the demo target with a
+    random block-4 draft, batch 1 and 5, greedy generation equal either way, and every Propose after the prompt's
+    replays one graph."""
     from draft_service.dflash import DFlashProposer
     from target_service.engine import TargetEngine
     from tests.tiny_models import make_tiny_dflash_draft
 
     draft = make_tiny_dflash_draft(str(DEFAULT_MODEL), tmp_path / "dflash", block_size=4, target_layer_ids=[1, 3])
     config = EngineConfig(device="cuda", dtype="float32", max_total_tokens=32768)
-    static, eager = DFlashProposer(str(DEFAULT_MODEL), str(draft), config), DFlashProposer(str(DEFAULT_MODEL),
-                                                                                            str(draft), config)
     spec = SpecShape(1, 1, 4)
-    assert static.enable_static_step(spec, max_bs=8) and static._block_step.graphs
-    engine = TargetEngine(ModelRunner(str(DEFAULT_MODEL), config), feature_layers=static.target_capture_layers)
-    from core.steps import PrefillInput
-    from core.types import SamplingParams, StopRule
-
+    method = Method("m", "DFLASH", spec.num_steps, spec.topk, spec.num_draft_tokens)
     for batch in (1, 5):
-        prompts = _prompts(batch)
-        outs = engine.prefill([PrefillInput(f"b{batch}s{i}", p, True, SamplingParams(), StopRule(64, prompt_len=len(p)),
-                                            return_features=True) for i, p in enumerate(prompts)])
-        for p in (static, eager):
-            for out, prompt in zip(outs, prompts):
-                assert p.prefill(out.seq_id, [*prompt, *out.token_ids], out.features) == SeqStatus.OK
-        inputs = [ProposeInput(out.seq_id, len(prompt) + 1, [], spec) for out, prompt in zip(outs, prompts)]
-        before = static._block_step.num_replays
-        got, want = static.propose(inputs), eager.propose(inputs)
-        assert static._block_step.num_replays == before + 1
-        agree = sum(g.tree.token_ids == w.tree.token_ids for g, w in zip(got, want))
-        assert agree >= batch - 1, [(g.tree.token_ids, w.tree.token_ids) for g, w in zip(got, want)]  # near-ties
-        engine.release([o.seq_id for o in outs])
+        runs = []
+        for static in (True, False):
+            proposer = DFlashProposer(str(DEFAULT_MODEL), str(draft), config)
+            if static:
+                assert proposer.enable_static_step(spec, max_bs=8) and proposer._block_step.graphs
+            engine = TargetEngine(ModelRunner(str(DEFAULT_MODEL), config),
+                                  feature_layers=proposer.target_capture_layers)
+            trees, outputs = _record(proposer), {}
+            _generate(engine, proposer, method, _prompts(batch), 32, 0.0, 0, outputs=outputs)
+            runs.append((trees, outputs, proposer._block_step.num_replays if static else 0))
+        (static_trees, static_out, replays), (eager_trees, eager_out, _) = runs
+        assert static_out == eager_out
+        agree = sum(a == b for a, b in zip(static_trees, eager_trees))
+        assert len(static_trees) == len(eager_trees) and agree >= 0.95 * len(eager_trees), (agree, len(eager_trees))
+        assert replays >= len(static_trees) // batch - 2  # every Propose but the prompt's went through the graphs

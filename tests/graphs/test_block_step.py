@@ -1,7 +1,7 @@
 """The static DFLASH step (runtime/speculative/block_step.py: a Propose's block forward as static device code over
 the paged context KV, one CUDA graph per batch bucket on a GPU) drafts exactly the chains of the eager proposer (dense
 context gather + SDPA) and of a dense recomputation, batch 1 and 5 (padded into a bucket), one readback per Propose,
-its scratch slots given back; with a draft window the proposer stays eager. On CPU the step's device code runs
+a step's new context rows injected inside it (a prompt's eagerly before), its scratch slots given back; with a draft window the proposer stays eager. On CPU the step's device code runs
 eagerly, its Triton kernels through the interpreter."""
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ def test_static_block_step_drafts_the_eager_chains(pair, batch, monkeypatch):
         for s, toks in seqs.items():
             assert p.prefill(s, toks[:committed[s]], feats[s][:committed[s] - 1]) == Status.OK
     synced = dict(committed)
+    eager_rows, inject = [], static._inject
+
+    def counted(seq_ids):  # rows injected eagerly (a prompt's); a step's few rows go inside the static step
+        eager_rows.append(sum(static._ctx[s].pending.shape[0] for s in seq_ids if static._ctx[s].pending is not None))
+        return inject(seq_ids)
+
+    static._inject = counted
     for step in range(6):
         inputs = [ProposeInput(s, committed[s], seqs[s][synced[s]:committed[s]], SPEC,
                                features=feats[s][synced[s] - 1:committed[s] - 1]) for s in seqs]
@@ -50,6 +57,7 @@ def test_static_block_step_drafts_the_eager_chains(pair, batch, monkeypatch):
         synced = dict(committed)
         committed = {s: min(len(seqs[s]), c + 1 + (step + i) % 3) for i, (s, c) in enumerate(committed.items())}
     assert static._block_step.num_replays == 6
+    assert eager_rows[0] > 0 and not any(eager_rows[1:]), eager_rows  # after the prompt: injected in the step
     assert static.memory() == eager.memory()  # the block's scratch slots were given back
     assert static.release(list(seqs)) == batch and static.memory()[0] == static.memory()[1]
 
