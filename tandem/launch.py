@@ -433,4 +433,9 @@ def _ready_line(args: argparse.Namespace, elapsed_s: float) -> str:
     if getattr(args, "with_envoy", False):
         line += (f", Envoy edge http://{args.host}:{args.envoy_port} (OpenAI REST, gRPC, REST view of Generate at "
                  "/v1/generate)")
+    from protos.profiler import profile_dir
+
+    directory = profile_dir(getattr(args, "profile_dir", None))
+    if directory:
+        line += f", profiling: POST /start_profile and /stop_profile (files in {directory})"
     return line + "; Ctrl-C stops everything"
