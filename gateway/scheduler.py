@@ -54,9 +54,11 @@ class SchedulerConfig:
     # picks per batch size, "on" always splits batches of >= 2, "off" (--disable-overlap-schedule) never does.
     overlap_schedule: str = "auto"
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
-    # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens. With the draft in
-    # the target's process (drafts_on_target) speculative steps too: verify, draft, verify, ... in one call.
+    # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
+    # With the draft in the target's process (drafts_on_target): speculative steps (verify, draft, verify, ...) per
+    # Verify call. `tandem serve`: --num-continuous-decode-steps when given, else 1 (not measured on a GPU yet).
+    speculative_steps_per_call: int = 1
     # The target pods draft in their own process (`--colocate-draft`; UNO by its registry entry): Propose goes to the
     # pod holding the sequence and every Verify drafts the next tree in the same call (one round trip per step).
     drafts_on_target: bool = False
@@ -72,8 +74,9 @@ class SchedulerConfig:
             raise ValueError("max_running_requests >= 1, max_queued_requests >= 0, request_timeout_s > 0")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
-        if not 1 <= self.num_continuous_decode_steps <= 256:
-            raise ValueError(f"num_continuous_decode_steps must be in 1..256, got {self.num_continuous_decode_steps}")
+        for name in ("num_continuous_decode_steps", "speculative_steps_per_call"):
+            if not 1 <= getattr(self, name) <= 256:
+                raise ValueError(f"{name} must be in 1..256, got {getattr(self, name)}")
 
 
 class Scheduler:
@@ -555,15 +558,15 @@ class Scheduler:
     async def _verify_on(self, pod: TargetClient, seqs: list[Sequence], trees,
                          next_shape: SpecShape | None = None) -> None:
         items = []
-        decode_steps = self.config.num_continuous_decode_steps
         for seq in seqs:
             tree = trees.get(seq.seq_id, DraftTree([], []))  # an empty tree is a plain decode step
             propose_next = self.drafting.fused(seq, next_shape) if next_shape is not None else None
+            # speculative steps with a draft in the pod's process, one verify of a tree, or plain decode steps
+            steps = (self.config.speculative_steps_per_call if propose_next is not None
+                     else 1 if tree.token_ids else self.config.num_continuous_decode_steps)
             # a draft in the verifying pod's process takes this step's features there: they stay off the wire
             items.append(VerifyInput(seq.seq_id, len(seq.committed), seq.committed[-1], tree, seq.params.sampling,
-                                     seq.stop, self.spec.needs_features and propose_next is None,
-                                     # plain decode steps, or speculative steps with a draft in the pod's process
-                                     1 if tree.token_ids and propose_next is None else decode_steps,
+                                     seq.stop, self.spec.needs_features and propose_next is None, steps,
                                      _logprobs(seq), propose_next))
         try:
             results = await self.metrics.timed("verify", pod.verify(items))

@@ -69,6 +69,14 @@ def continuous_decode_steps(args: argparse.Namespace) -> int:
     return AUTO_CONTINUOUS_DECODE_STEPS
 
 
+def speculative_steps_per_call(args: argparse.Namespace) -> int:
+    """Speculative steps (verify, then draft) per Verify call with the draft in the target's process:
+    --num-continuous-decode-steps when given, else 1 (the default that several steps per call would replace is not
+    measured on a GPU yet: `bash bench/gpu_session.sh colocate_k`). Adaptive speculation's plain-decode tiers keep
+    their own default (continuous_decode_steps)."""
+    return getattr(args, "num_continuous_decode_steps", None) or 1
+
+
 def _auto_mem_fraction(device: str) -> float:
     """The whole GPU's automatic --mem-fraction-static (`tandem serve` passes each process its share instead)."""
     import torch
@@ -428,7 +436,9 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
                                  overlap_schedule=_overlap_schedule(args, infos, draft_infos),
-                                 num_continuous_decode_steps=continuous_decode_steps(args), routing=routing,
+                                 num_continuous_decode_steps=continuous_decode_steps(args),
+                                 speculative_steps_per_call=speculative_steps_per_call(args),
+                                 routing=routing,
                                  drafts_on_target=on_target,
                                  pod_probe_interval_s=args.pod_probe_interval, no_target_wait_s=args.no_target_wait)
     except ValueError as exc:

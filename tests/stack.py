@@ -129,6 +129,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
                                                  enable_overlap_drafting=enable_overlap_drafting,
                                                  num_continuous_decode_steps=num_continuous_decode_steps,
+                                                 speculative_steps_per_call=num_continuous_decode_steps,
                                                  overlap_schedule=overlap_schedule,
                                                  drafts_on_target=colocate),
                           adaptive=adaptive)
