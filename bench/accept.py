@@ -193,6 +193,12 @@ def profile_prompt(http_port: int, generate) -> list[dict]:
     return processes
 
 
+def _busy_ms(line: str | None) -> str:
+    """The ms-per-step figure of a summary's "Python busy: X ms per step ..." line."""
+    found = re.search(r"busy: ([0-9.]+) ms", line or "")
+    return found.group(1) if found else "-"
+
+
 def gateway_rpc_ms(http_port: int) -> dict:
     """Mean ms per batched Propose and Verify RPC as the gateway timed them (its Prometheus histograms; the
     warm-up request included), and the wall ms per step they add up to."""
@@ -283,6 +289,13 @@ def main() -> None:
               f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('ms_per_step', float('nan')):.2f} | "
               f"{r.get('draft_rpcs', 0)} ({r.get('draft_rpc_ms', 0):.2f}) | "
               f"{r.get('verify_rpcs', 0)} ({r.get('verify_rpc_ms', 0):.2f}) | {same} |")
+    profiled = [r for r in results if r.get("profile")]
+    if profiled:  # Python busy ms per step of each process (--profile-dir: the summaries' first numbers)
+        print("\n| config | Python busy ms per step (process: steps) |\n|---|---|")
+        for r in profiled:
+            cells = [f"{p['process'].split('-')[0]} {_busy_ms(p.get('busy'))} ({p.get('num_steps', 0)})"
+                     for p in r["profile"]]
+            print(f"| {r['config']} | {', '.join(cells)} |")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
