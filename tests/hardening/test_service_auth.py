@@ -51,10 +51,12 @@ async def test_services_refuse_calls_without_the_service_credential(model, metad
         for port, stub_cls, prefill in ((tport, pb_grpc.TargetServiceStub, pb.TargetPrefillRequest()),
                                         (dport, pb_grpc.DraftServiceStub, pb.DraftPrefillRequest())):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = stub_cls(channel)
+                stub, profiler = stub_cls(channel), pb_grpc.ProfilerStub(channel)
                 for call in (stub.Info(pb.InfoRequest(), timeout=10, metadata=metadata),
                              stub.Prefill(prefill, timeout=10, metadata=metadata),
-                             stub.Release(pb.ReleaseRequest(seq_ids=["x"]), timeout=10, metadata=metadata)):
+                             stub.Release(pb.ReleaseRequest(seq_ids=["x"]), timeout=10, metadata=metadata),
+                             profiler.StartProfile(pb.StartProfileRequest(), timeout=10, metadata=metadata),
+                             profiler.StopProfile(pb.StopProfileRequest(), timeout=10, metadata=metadata)):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
