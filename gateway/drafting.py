@@ -73,24 +73,21 @@ class Drafting:
         shape: this step's (None = the configured one)."""
         if not self.spec.enabled or not len(self.pool):
             return {}
-        if self.spec.needs_features:  # the draft needs the feature rows of the committed tokens it has not seen
-            ready = []
-            for seq in seqs:
-                if seq.features.num_rows == len(seq.committed) - 1 or self._synced_on_pod(seq):
-                    ready.append(seq)
-                elif seq.features_on_pod and self._route(seq) is not None:
-                    # its draft lost its state after steps whose features stayed on the pod: the target recomputes
-                    # them all in a re-prefill (next iteration), which prefills that draft again
-                    seq.needs_target_prefill, seq.draft_synced_len = True, 0
-                    seq.features.reset(None)
-            seqs = ready
         groups: dict[object, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             if seq.draft is None or self.pool.is_down(seq.draft) or not self._colocated(seq):
                 seq.draft = self._route(seq)
                 seq.draft_synced_len = 0
-            if seq.draft is not None:
-                groups[seq.draft].append(seq)
+            if seq.draft is None:
+                continue
+            if self.spec.needs_features and not self._features_ready(seq):
+                if seq.features_on_pod:
+                    # its draft lost its state after steps whose features stayed on the pod: the target recomputes
+                    # them all in a re-prefill (next iteration), which prefills that draft again
+                    seq.needs_target_prefill, seq.draft_synced_len = True, 0
+                    seq.features.reset(None)
+                continue
+            groups[seq.draft].append(seq)
         trees: dict[str, DraftTree] = {}
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)
@@ -110,6 +107,13 @@ class Drafting:
         seq.draft = self._route(seq)
         seq.draft_synced_len = len(seq.committed) if seq.draft is not None else 0
         seq.features_on_pod = True
+        seq.features.reset(None, start=len(seq.committed) - 1)  # rows from here on, should a step return them
+
+    def _features_ready(self, seq: Sequence) -> bool:
+        """The gateway holds the feature rows the sequence's draft has not seen (all of them for a draft to prefill),
+        or that draft needs none (it knows every committed token, in the target's process)."""
+        need_from = max(seq.draft_synced_len - 1, 0)
+        return self._synced_on_pod(seq) or seq.features.covers(need_from, len(seq.committed) - 1)
 
     def _synced_on_pod(self, seq: Sequence) -> bool:
         """A draft in the target's process that knows every committed token: its Propose needs no feature rows."""

@@ -2,7 +2,9 @@
 
 The gateway never decodes them: it appends the rows each target call returns and slices the rows a draft pod has
 not seen yet. Row p is the target feature of committed token p, so a sequence with L committed tokens holds L-1 rows
-(the last token has no KV yet). Keeping every row lets a draft pod that lost its state be re-prefilled.
+(the last token has no KV yet). Keeping every row lets a draft pod that lost its state be re-prefilled. A log may
+start past row 0 (`start`): with the draft in the target's process the rows of fused steps stay on the pod, and the
+log then holds only the rows since, which is all a draft that kept its state needs.
 """
 from __future__ import annotations
 
@@ -30,11 +32,21 @@ class FeatureLog:
     def __init__(self) -> None:
         self._chunks: list[FeatureRows] = []
         self.num_rows = 0
+        self.start = 0  # position of the first row held
 
-    def reset(self, rows: FeatureRows | None) -> None:
-        self._chunks, self.num_rows = [], 0
+    @property
+    def end(self) -> int:
+        """One past the position of the last row held."""
+        return self.start + self.num_rows
+
+    def reset(self, rows: FeatureRows | None, start: int = 0) -> None:
+        """Hold `rows` (None: none) from position `start` on."""
+        self._chunks, self.num_rows, self.start = [], 0, start
         if rows is not None:
             self.append(rows)
+
+    def covers(self, start: int, end: int) -> bool:
+        return self.start <= start and end == self.end
 
     def append(self, rows: FeatureRows) -> None:
         if self._chunks and (rows.dtype, rows.row_shape) != (self._chunks[0].dtype, self._chunks[0].row_shape):
@@ -43,12 +55,13 @@ class FeatureLog:
         self.num_rows += rows.num_rows
 
     def slice(self, start: int, end: int) -> FeatureRows | None:
-        """Rows [start, end) as one FeatureRows; None when the log is empty. Walks chunks from the end, since drafts
-        usually ask for the newest rows only."""
+        """Rows of positions [start, end) as one FeatureRows; None when the log is empty. Walks chunks from the end,
+        since drafts usually ask for the newest rows only."""
         if not self._chunks:
             return None
-        if not 0 <= start <= end <= self.num_rows:
-            raise ValueError(f"feature rows [{start}, {end}) out of range (have {self.num_rows})")
+        if not self.start <= start <= end <= self.end:
+            raise ValueError(f"feature rows [{start}, {end}) out of range (have [{self.start}, {self.end}))")
+        start, end = start - self.start, end - self.start
         first = self._chunks[0]
         rb = first.row_bytes
         pieces: list[bytes] = []

@@ -595,11 +595,13 @@ class Scheduler:
             else:
                 seq.record_step(result.num_accepted_drafts, result.num_draft_tokens, result.num_steps)
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
-                if result.features is not None and not seq.features_on_pod:  # (else the log has a gap: the rows
-                    seq.features.append(result.features)  # would land at the wrong positions; a re-prefill resets it)
+                if result.features is not None and seq.features.end == len(seq.committed) - 1:  # (else a gap: the
+                    seq.features.append(result.features)  # rows would land at the wrong positions)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
                 if item.propose_next is not None and self.spec.needs_features and result.features is None:
-                    seq.features_on_pod = True  # the draft took them on the pod: the gateway's rows end before
+                    # the draft took them on the pod: the gateway's log holds the rows of later steps only
+                    seq.features_on_pod = True
+                    seq.features.reset(None, start=len(seq.committed) - 1)
                 if result.proposal is not None and not seq.finished:
                     self.drafting.keep_proposal(seq, result.proposal, item.propose_next)
 

@@ -55,7 +55,7 @@ class Sequence:
         # propose_next) for the next step; a Predraft with no guessed tail
         self.proposal: Predraft | None = None
         # Feature drafts in the target's process: the features of fused steps went to the draft on the pod, not here
-        # (set once the log ends before the committed tokens; a Propose over the wire then needs a re-prefill)
+        # (the log then starts after them: enough for that draft, not for re-prefilling one that lost its state)
         self.features_on_pod = False
         self.predraft_hits = 0
         self.predraft_misses = 0

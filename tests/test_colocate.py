@@ -363,3 +363,25 @@ async def test_adaptive_tiers_with_the_draft_in_the_target_process(models, k):
         assert [got for got, _, _ in batch] == [hf_greedy(hf, p, 16) for _, p in cases]
         assert adaptive.slots[3].batches > 0  # the batch of three stepped target-only
         await _assert_no_kv_leak(scheduler)
+
+
+async def test_adaptive_tier_zero_steps_keep_a_colocated_feature_draft_in_sync(models):
+    """A batch size whose tier moves between no drafting (0) and drafting, with a co-located EAGLE-3 head: the plain
+    decode steps return their features to the gateway, which hands them to the draft when drafting resumes — no
+    target re-prefill to recover features that stayed on the pod — and greedy output equals HF's."""
+    from gateway.adaptive import AdaptiveSpec, SlotConfig
+
+    path, _, hf = models
+    adaptive = AdaptiveSpec({1: SlotConfig([1, 3]), 2: SlotConfig([0, 1], warmup_batches=1, update_interval=1)}, 1)
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, adaptive=adaptive) as scheduler:
+        prefills = _count_target_prefills(scheduler)
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:2]))
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 24, request_id=f"t{i}") for i, p in cases))
+        for (i, prompt), (got, usage, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 24)
+        history = adaptive.slots[2].history
+        assert 0 in history and 1 in history, history  # the tier left 0 and came back to drafting
+        assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
+        assert prefills[0] == len(cases), prefills[0]  # the first prefills only
+        await _assert_no_kv_leak(scheduler)

@@ -32,3 +32,19 @@ def test_reset_and_validation():
         log.slice(2, 5)
     with pytest.raises(ValueError):
         log.append(rows(np.zeros((1, 3))))
+
+
+def test_a_log_that_starts_past_row_zero():
+    """With the draft in the target's process the rows of fused steps stay on the pod: the log restarts at the
+    committed end and holds later rows at their positions."""
+    full = np.arange(20 * 3, dtype=np.float32).reshape(20, 3)
+    log = FeatureLog()
+    log.reset(None, start=12)
+    assert (log.start, log.end) == (12, 12) and log.covers(12, 12) and not log.covers(0, 12)
+    log.append(rows(full[12:15]))
+    log.append(rows(full[15:17]))
+    assert log.covers(13, 17) and not log.covers(11, 17) and not log.covers(13, 16)
+    got = log.slice(13, 17)
+    assert np.frombuffer(got.data, np.float32).reshape(-1, 3).tolist() == full[13:17].tolist()
+    with pytest.raises(ValueError, match=r"\[11, 17\) out of range \(have \[12, 17\)\)"):
+        log.slice(11, 17)
