@@ -216,12 +216,15 @@ class ProcessProfiler:
                                  f"{row[2] / per:8.1f}  {row[3]}")
                 lines.append("")
         if self._torch is not None:
+            from torch.autograd.profiler_util import FunctionEventAvg
+
             cuda = any("CUDA" in str(a) for a in self._torch.activities)
-            key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             events = self._torch.key_averages()
+            device_key = ("self_device_time_total" if hasattr(FunctionEventAvg(), "self_device_time_total")
+                          else "self_cuda_time_total")  # (torch renamed it)
+            key = device_key if cuda else "self_cpu_time_total"
             if cuda:  # the device's busy time beside the host's: what a step costs the GPU
-                gpu_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
-                             for e in events)
+                gpu_us = sum(getattr(e, device_key, 0) for e in events)
                 lines.insert(3, f"GPU kernels: {gpu_us / 1e3 / per:.3f} ms per step (self time of every kernel)")
             lines.append(f"## torch ops{' and CUDA kernels' if cuda else ''} by {key} (whole profile)")
             lines.append(events.table(sort_by=key, row_limit=30) if len(events) else "(none)")
