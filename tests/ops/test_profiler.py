@@ -105,3 +105,24 @@ def test_a_forgotten_profile_stops_by_itself(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="num_steps must be in 0..3"):
         ProcessProfiler("x", str(tmp_path)).start(ProfileOptions(num_steps=4))
     assert prof.stop().num_steps == 3
+
+
+def test_a_gpu_profile_summary_names_the_kernels_busy_time(tmp_path):
+    """The summary of a CUDA profile (faked here: no GPU) adds the kernels' ms per step beside the Python busy ms."""
+    from types import SimpleNamespace
+
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    key = "self_device_time_total" if hasattr(FunctionEventAvg(), "self_device_time_total") else "self_cuda_time_total"
+
+    class Events(list):
+        def table(self, sort_by, row_limit):
+            assert sort_by == key
+            return "kernel table"
+
+    prof = ProcessProfiler("target", str(tmp_path), "cuda")
+    prof._torch = SimpleNamespace(activities=["ProfilerActivity.CUDA"],
+                                  key_averages=lambda: Events([SimpleNamespace(**{key: 1500.0}),
+                                                               SimpleNamespace(**{key: 500.0})]))
+    summary = prof._summary(None, 4, 0.01)
+    assert "GPU kernels: 0.500 ms per step" in summary and "kernel table" in summary
