@@ -127,8 +127,9 @@ class DFlashProposer(Proposer):
     def enable_static_step(self, spec, max_bs: int) -> bool:
         """Propose blocks of the draft's own size as one static device step (runtime/speculative/block_step.py: one
         CUDA graph per batch bucket on CUDA, eager elsewhere), paged attention over the context KV instead of the
-        dense gather. Not with --speculative-draft-window-size (a ring of context slots); returns whether it is on."""
-        if self.window_size is not None or spec.num_draft_tokens != self.block_size or self.block_size < 2:
+        dense gather (with --speculative-draft-window-size, over the ring of its last W positions: the keys carry
+        their RoPE, so their order in the KV does not matter); returns whether it is on."""
+        if spec.num_draft_tokens != self.block_size or self.block_size < 2:
             return False
         from runtime.speculative.block_step import StaticBlockDraftStep
 
@@ -211,33 +212,36 @@ class DFlashProposer(Proposer):
         step, bm, block = self._block_step, self.block_manager, self.block_size
         if step is None or not group or len(group) > step.max_bs:
             return None
-        plans = []  # (input, context end before, pending rows or None, context end after)
+        window = self.window_size
+        plans = []  # (input, context end before, pending rows or None, context end after, context KV length after)
         for inp in group:
             ctx = self._ctx[inp.seq_id]
             rows = ctx.pending
             if rows is not None and rows.shape[0] > block:
                 return None
             after = ctx.end + (0 if rows is None else rows.shape[0])
-            if not step.fits(after):
+            held = after if window is None else min(after, window)  # a window: the ring of its last W positions
+            if not step.fits(held):
                 return None
-            plans.append((inp, ctx.end, rows, after))
+            plans.append((inp, ctx.end, rows, after, held))
         try:
-            for inp, _, _, after in plans:
-                bm.ensure_capacity(inp.seq_id, after + block)
+            for inp, _, _, _, held in plans:
+                bm.ensure_capacity(inp.seq_id, held + block)
         except OutOfKVBlocks:
-            for inp, before, _, _ in plans:
-                bm.truncate(inp.seq_id, before)
+            for inp, before, _, _, _ in plans:
+                bm.truncate(inp.seq_id, before if window is None else min(before, window))
             return None
-        chains = step.propose([
-            BlockItem(self._tokens[inp.seq_id][-1], inp.committed_len - 1, after,
-                      bm.slots(inp.seq_id, after, after + block), bm.block_table(inp.seq_id), before,
-                      [] if rows is None else bm.slots(inp.seq_id, before, after), rows)
-            for inp, before, rows, after in plans])
+        items = []
+        for inp, before, rows, after, held in plans:
+            ring = range(before, after) if window is None else [p % window for p in range(before, after)]
+            items.append(BlockItem(self._tokens[inp.seq_id][-1], inp.committed_len - 1, held,
+                                   bm.slots(inp.seq_id, held, held + block), bm.block_table(inp.seq_id), before,
+                                   [bm.slot(inp.seq_id, i) for i in ring], rows))
         trees = {}
-        for (inp, _, _, after), chain in zip(plans, chains):
+        for (inp, _, _, after, held), chain in zip(plans, step.propose(items)):
             ctx = self._ctx[inp.seq_id]
             ctx.end, ctx.pending, ctx.pending_start = after, None, after  # the context rows are in the KV now
-            bm.truncate(inp.seq_id, after)  # the block's slots were scratch
+            bm.truncate(inp.seq_id, held)  # the block's slots were scratch
             trees[inp.seq_id] = DraftTree.chain(chain[:self.max_context_len - inp.committed_len])
         return trees
 

@@ -7,7 +7,8 @@ The eager path (draft_service/dflash.py `_draft_blocks`) gathers the context den
 same draft layers with the block's own K/V written into the draft's paged KV just past the context (KV indices
 [L, L + B), scratch that the next context injection overwrites) and a full B x B mask over them: the paged kernel's
 "tree" region with every block row seeing every block key (bidirectional within the block, as DFlash attends), the
-context [0, L) visible to all. RoPE positions are the block's own (C-1 ..), independent of the KV indices.
+context [0, L) visible to all. RoPE positions are the block's own (C-1 ..), independent of the KV indices; the keys
+carry theirs, so a draft window's ring (position p at KV index p % W, L = min(context, W)) attends the same way.
 
 Context KV injection rides along: a sequence's new target feature rows (at most B: one step's accepted tokens) are
 projected (fc, hidden_norm, each layer's k/v with RoPE) and written at their context positions first, inside the same

@@ -1,8 +1,9 @@
 """The static DFLASH step (runtime/speculative/block_step.py: a Propose's block forward as static device code over
 the paged context KV, one CUDA graph per batch bucket on a GPU) drafts exactly the chains of the eager proposer (dense
-context gather + SDPA) and of a dense recomputation, batch 1 and 5 (padded into a bucket), one readback per Propose,
-a step's new context rows injected inside it (a prompt's eagerly before), its scratch slots given back; with a draft window the proposer stays eager. On CPU the step's device code runs
-eagerly, its Triton kernels through the interpreter."""
+context gather + SDPA) and of a dense recomputation, batch 1 and 5 (padded into a bucket) and with a draft window (the
+ring of its last W positions), one readback per Propose, a step's new context rows injected inside it (a prompt's
+eagerly before), its scratch slots given back. On CPU the step's device code runs eagerly, its Triton kernels
+through the interpreter."""
 from __future__ import annotations
 
 import pytest
@@ -20,12 +21,12 @@ ENGINE = EngineConfig(device="cpu", dtype="float32", max_total_tokens=4096, bloc
 SPEC = SpecShape(1, 1, 4)
 
 
-@pytest.mark.parametrize("batch", [1, 5])
-def test_static_block_step_drafts_the_eager_chains(pair, batch, monkeypatch):
+@pytest.mark.parametrize("batch,window", [(1, None), (5, None), (3, 6)], ids=["b1", "b5", "b3-window-6"])
+def test_static_block_step_drafts_the_eager_chains(pair, batch, window, monkeypatch):
     target, draft, hf = pair
-    static = DFlashProposer(target, draft, ENGINE)
+    static = DFlashProposer(target, draft, ENGINE, window_size=window)
     assert static.enable_static_step(SPEC, max_bs=8)
-    eager = DFlashProposer(target, draft, ENGINE)
+    eager = DFlashProposer(target, draft, ENGINE, window_size=window)
     model = load_dflash_draft(draft, target, ENGINE)
     gen = torch.Generator().manual_seed(batch)
     seqs = {f"s{i}": torch.randint(3, 320, (30 + 3 * i,), generator=gen).tolist() for i in range(batch)}
@@ -52,7 +53,10 @@ def test_static_block_step_drafts_the_eager_chains(pair, batch, monkeypatch):
         want = eager.propose(inputs)
         for s, g, w in zip(seqs, got, want):
             assert g.status == w.status == Status.OK
-            assert g.tree.token_ids == w.tree.token_ids == dense_drafts(model, seqs[s][:committed[s]], feats[s], 4)
+            assert g.tree.token_ids == w.tree.token_ids == dense_drafts(model, seqs[s][:committed[s]], feats[s], 4,
+                                                                        window)
+            if window is not None:  # the ring: the draft KV never outgrows the window
+                assert static.kv_slots_held(s) <= -(-window // ENGINE.block_size) * ENGINE.block_size
         assert reads == 1, reads  # the chains of the whole batch in one readback
         synced = dict(committed)
         committed = {s: min(len(seqs[s]), c + 1 + (step + i) % 3) for i, (s, c) in enumerate(committed.items())}
@@ -62,11 +66,9 @@ def test_static_block_step_drafts_the_eager_chains(pair, batch, monkeypatch):
     assert static.release(list(seqs)) == batch and static.memory()[0] == static.memory()[1]
 
 
-def test_a_draft_window_keeps_the_eager_path(pair):
+def test_other_block_sizes_keep_the_eager_path(pair):
     target, draft, _ = pair
-    windowed = DFlashProposer(target, draft, ENGINE, window_size=6)
-    assert not windowed.enable_static_step(SPEC, max_bs=4)  # a ring of context slots: the dense gather
-    assert not DFlashProposer(target, draft, ENGINE).enable_static_step(SpecShape(1, 1, 8), max_bs=4)  # other block
+    assert not DFlashProposer(target, draft, ENGINE).enable_static_step(SpecShape(1, 1, 8), max_bs=4)
 
 
 def test_the_served_dflash_shape_drafts_through_the_static_step_on_a_gpu(pair):
