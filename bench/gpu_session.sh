@@ -47,7 +47,8 @@ for s in $STAGES; do
         --ignore=tests/gpu/test_flashinfer_backend_gpu.py > "$R/gpu_tests.log" 2>&1
       grep -E "passed|failed|FAILED|ERROR" "$R/gpu_tests.log" | tail -15 ;;
     profile_draft)  # where a draft Propose's time goes: ops, kernels, GPU vs host ms, draft graphs on and off
-      timeout 150 python3 bench/profile_draft.py --device cuda --out-dir "$R/profile_draft" > "$R/profile_draft.log" 2>&1
+      timeout 240 python3 bench/profile_draft.py --device cuda --graphs all compiled target --out-dir "$R/profile_draft" \
+        > "$R/profile_draft.log" 2>&1
       cat "$R/profile_draft/profile_draft.md" 2>/dev/null || tail -20 "$R/profile_draft.log" ;;
     decode)  # 8B in-process: graphs/eager vs HF vs ceiling, verify-16 ratio (eager should be back near 22 ms)
       timeout 150 python3 bench/decode.py --steps 32 --out-dir "$R/decode" > "$R/decode.log" 2>&1

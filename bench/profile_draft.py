@@ -136,8 +136,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--methods", nargs="*", default=["EAGLE3 tree 5/4/16", "EAGLE3 chain 3/1/4", "EAGLE tree 5/4/16",
                                                     "STANDALONE chain 3/1/4"])
-    p.add_argument("--graphs", nargs="*", default=None, choices=["all", "target"],
-                   help="CUDA graph modes to compare (default: all and target on CUDA)")
+    p.add_argument("--graphs", nargs="*", default=None, choices=["all", "compiled", "target"],
+                   help="CUDA graph modes to compare (default: all and target on CUDA); compiled: all, the drafts' "
+                        "batch-1 graphs and static steps torch.compile'd (--enable-torch-compile)")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
     m = Path(args.model)
@@ -156,13 +157,13 @@ def main() -> None:
                             cuda_graphs=mode)
         for name in args.methods:
             row = run_config(bench, Method(name, *specs[name]), prompts, args.new_tokens)
-            row["draft_graphs"] = mode == "all"
+            row["draft_graphs"] = {"all": "yes", "compiled": "compiled"}.get(mode, "no")
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| method | draft graphs | τ | tok/s | Propose ms | Verify ms | aten ops / Propose (compute) | "
              "kernels / Propose | GPU ms / Propose | host ms / Propose |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {'yes' if r['draft_graphs'] else 'no'} | {r['tau']:.2f} | "
+        lines.append(f"| {r['method']} | {r['draft_graphs']} | {r['tau']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['propose_ms']:.2f} | {r['verify_ms']:.2f} | "
                      f"{r.get('aten_ops', '-')} ({r.get('compute_ops', '-')}) | {r.get('kernels_per_propose', '-')} | "
                      + (f"{r['gpu_ms_per_propose']:.2f} | {r['host_ms_per_propose']:.2f} |"

@@ -59,8 +59,9 @@ class EngineBench:
     def __init__(self, target_path: str, draft_path: str | None, eagle3_path: str | None, device: str,
                  eagle_path: str | None = None, max_total_tokens: int = 65536, cuda_graphs: str = "all",
                  dflash_path: str | None = None, uno_path: str | None = None) -> None:
-        """cuda_graphs: "all" (target and drafts capture CUDA graphs, as the services do), "target" (drafts eager)
-        or "none"."""
+        """cuda_graphs: "all" (target and drafts capture CUDA graphs, as the services do), "compiled" (the same, the
+        drafts' graphs and static steps of batch 1 capturing torch.compile'd code: --enable-torch-compile),
+        "target" (drafts eager) or "none"."""
         import dataclasses
 
         from runtime.config import EngineConfig
@@ -68,12 +69,15 @@ class EngineBench:
 
         self.engine_config = EngineConfig(device=device, dtype="auto", max_total_tokens=max_total_tokens,
                                           disable_cuda_graph=cuda_graphs == "none")
-        self.draft_engine_config = dataclasses.replace(self.engine_config, disable_cuda_graph=cuda_graphs != "all")
+        self.draft_engine_config = dataclasses.replace(self.engine_config,
+                                                       disable_cuda_graph=cuda_graphs not in ("all", "compiled"),
+                                                       enable_torch_compile=cuda_graphs == "compiled",
+                                                       torch_compile_max_bs=1)
         self.target_path, self.draft_path = target_path, draft_path
         self.head_paths = {"EAGLE3": eagle3_path, "EAGLE": eagle_path, "DFLASH": dflash_path}
         self.runner = ModelRunner(target_path, self.engine_config)
         self._proposers: dict[str, object] = {}
-        self.static_draft_step = cuda_graphs == "all"  # as tandem serve: one graph per Propose where it can
+        self.static_draft_step = cuda_graphs in ("all", "compiled")  # as tandem serve: a graph per Propose
         self.uno_lora = None  # UNO: the LoRA wrappers on the target (plain forwards are unchanged by them)
         if uno_path:
             from runtime.lora import apply_adapter, load_adapter
