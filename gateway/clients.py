@@ -121,7 +121,7 @@ class _Client:
         one running)."""
         request = pb.StartProfileRequest(num_steps=options.num_steps, activities=list(options.activities),
                                          record_shapes=options.record_shapes, with_stack=options.with_stack,
-                                         profile_id=options.profile_id)
+                                         profile_id=options.profile_id, output_dir=options.output_dir)
         return _profile_state(await self._call(pb_grpc.ProfilerStub(self.channel).StartProfile, request, timeout_s))
 
     async def stop_profile(self, timeout_s: float = 120.0) -> ProfileState:

@@ -67,6 +67,8 @@ class StartProfileRequest(BaseModel):
     record_shapes: bool = False
     with_stack: bool = False
     profile_id: str | None = Field(None, description="names the files (letters, digits, '-', '_')")
+    output_dir: str | None = Field(None, description="a directory for the files inside each process's --profile-dir "
+                                                     "(relative to it, or an absolute path under it)")
 
 
 class PayloadTooLarge(GatewayError):
@@ -206,7 +208,7 @@ class _OpenAIServer:
         req = await self._validated(request, StartProfileRequest, empty_ok=True)
         options = ProfileOptions(num_steps=req.num_steps or 0, activities=tuple(req.activities or ()),
                                  record_shapes=req.record_shapes, with_stack=req.with_stack,
-                                 profile_id=req.profile_id or "")
+                                 profile_id=req.profile_id or "", output_dir=req.output_dir or "")
         try:
             return JSONResponse(await self.backend.start_profile(options))
         except (ValueError, ProfileError) as exc:

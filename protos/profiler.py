@@ -53,6 +53,7 @@ class ProfileOptions:
     record_shapes: bool = False
     with_stack: bool = False
     profile_id: str = ""  # names the files; "" = a timestamp
+    output_dir: str = ""  # a directory for the files inside the process's profile dir (SGLang's name); "" = that dir
 
     def validate(self) -> None:
         """ValueError (INVALID_ARGUMENT / HTTP 400) for options no profile can take."""
@@ -85,6 +86,7 @@ class ProcessProfiler:
         self._torch = None  # torch.profiler.profile while running
         self._host: list[tuple[int, cProfile.Profile]] = []  # (thread, its profile)
         self._options: ProfileOptions | None = None
+        self._out: Path | None = None  # the running profile's output directory
         self._steps = 0
         self._started = 0.0
         self._last = ProfileState(active=False, process=self.process)
@@ -111,7 +113,8 @@ class ProcessProfiler:
         with self._lock:
             if self.active:
                 raise ProfileError(f"{self.process} is already profiling; stop that profile first")
-            Path(self.directory).mkdir(parents=True, exist_ok=True)
+            self._out = self._output_dir(options.output_dir)
+            self._out.mkdir(parents=True, exist_ok=True)
             import torch
 
             activities = set(options.activities or ACTIVITIES)
@@ -130,6 +133,18 @@ class ProcessProfiler:
                 self.profile_this_thread()
         logger.info("%s: profiling started (%s)", self.process, options)
         return self.state()
+
+    def _output_dir(self, output_dir: str) -> Path:
+        """Where this profile's files go: the profile dir, or output_dir inside it (relative to it, or an absolute
+        path under it); ValueError for one outside (a request never writes elsewhere on the machine)."""
+        root = Path(self.directory).resolve()
+        if not output_dir:
+            return root
+        target = (root / output_dir).resolve()
+        if target != root and root not in target.parents:
+            raise ValueError(f"output_dir {output_dir!r} is outside this server's profile directory ({root}): give a "
+                             "directory inside it, or a name relative to it")
+        return target
 
     def profile_this_thread(self) -> None:
         """Add the calling thread to the Python profile (run it on each thread that serves calls)."""
@@ -172,7 +187,7 @@ class ProcessProfiler:
             self.release_this_thread()
             if self._torch is not None:
                 self._torch.stop()
-            stem = Path(self.directory) / f"{self.process}-{options.profile_id or time.strftime('%Y%m%d-%H%M%S')}"
+            stem = self._out / f"{self.process}-{options.profile_id or time.strftime('%Y%m%d-%H%M%S')}"
             files = []
             stats = None
             if self._host:
@@ -253,7 +268,7 @@ class ProfilerServicer:
 
         options = ProfileOptions(num_steps=request.num_steps, activities=tuple(request.activities),
                                  record_shapes=request.record_shapes, with_stack=request.with_stack,
-                                 profile_id=request.profile_id)
+                                 profile_id=request.profile_id, output_dir=request.output_dir)
         try:
             state = self.profiler.start(options)
         except ValueError as exc:

@@ -40,8 +40,8 @@ def test_profiling_every_process_of_a_running_stack(tmp_path):
         assert again.status_code == 400 and "already profiling" in again.json()["error"]["message"]
         bad = httpx.post(f"{s.base_url}/start_profile", json={"activities": ["TPU"]}, timeout=60)
         assert bad.status_code == 400 and "activities" in bad.json()["error"]["message"]
-        unknown = httpx.post(f"{s.base_url}/start_profile", json={"output_dir": "/etc"}, timeout=60)
-        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "output_dir"
+        unknown = httpx.post(f"{s.base_url}/start_profile", json={"merge_profiles": True}, timeout=60)
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "merge_profiles"
 
         _completion(s, 16)
         r = httpx.post(f"{s.base_url}/stop_profile", timeout=120)
@@ -59,8 +59,10 @@ def test_profiling_every_process_of_a_running_stack(tmp_path):
             assert json.loads(gzip.decompress(files["trace.json.gz"].read_bytes()))["traceEvents"]
 
         # num_steps: the pods stop by themselves after 3 step calls; /stop_profile then names their files
+        outside = httpx.post(f"{s.base_url}/start_profile", json={"output_dir": "/etc"}, timeout=60)
+        assert outside.status_code == 400 and "outside" in outside.json()["error"]["message"]
         r = httpx.post(f"{s.base_url}/start_profile", json={"num_steps": 3, "profile_id": "three",
-                                                            "activities": ["CPU"]}, timeout=60)
+                                                            "activities": ["CPU"], "output_dir": "run2"}, timeout=60)
         assert r.status_code == 200, r.text
         _completion(s, 24)
         stopped = {p["process"].split("-")[0]: p for p in
@@ -68,7 +70,7 @@ def test_profiling_every_process_of_a_running_stack(tmp_path):
         for name in ("gateway", "target", "draft"):
             assert stopped[name]["num_steps"] == 3, stopped[name]
             assert all("three" in f for f in stopped[name]["files"])
-        assert (out / Path(stopped["target"]["files"][0]).name).exists()
+        assert (out / "run2" / Path(stopped["target"]["files"][0]).name).exists()  # SGLang's output_dir, inside
     finally:
         assert s.stop() == 0
 

@@ -126,3 +126,15 @@ def test_a_gpu_profile_summary_names_the_kernels_busy_time(tmp_path):
                                                                SimpleNamespace(**{key: 500.0})]))
     summary = prof._summary(None, 4, 0.01)
     assert "GPU kernels: 0.500 ms per step" in summary and "kernel table" in summary
+
+
+def test_output_dir_stays_inside_the_profile_dir(tmp_path):
+    prof = ProcessProfiler("draft", str(tmp_path / "prof"))
+    prof.start(ProfileOptions(activities=("CPU",), profile_id="a", output_dir="run/1"))
+    assert all(Path(f).parent == (tmp_path / "prof" / "run" / "1").resolve() for f in prof.stop().files)
+    prof.start(ProfileOptions(activities=("CPU",), output_dir=str(tmp_path / "prof" / "abs")))  # absolute, inside
+    assert all("/prof/abs/" in f for f in prof.stop().files)
+    for outside in ("../elsewhere", "/etc", str(tmp_path)):
+        with pytest.raises(ValueError, match="outside this server's profile directory"):
+            prof.start(ProfileOptions(output_dir=outside))
+    assert not prof.active

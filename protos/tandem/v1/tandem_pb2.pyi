@@ -390,18 +390,20 @@ class ProposeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
 class StartProfileRequest(_message.Message):
-    __slots__ = ("num_steps", "activities", "record_shapes", "with_stack", "profile_id")
+    __slots__ = ("num_steps", "activities", "record_shapes", "with_stack", "profile_id", "output_dir")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACTIVITIES_FIELD_NUMBER: _ClassVar[int]
     RECORD_SHAPES_FIELD_NUMBER: _ClassVar[int]
     WITH_STACK_FIELD_NUMBER: _ClassVar[int]
     PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIR_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     activities: _containers.RepeatedScalarFieldContainer[str]
     record_shapes: bool
     with_stack: bool
     profile_id: str
-    def __init__(self, num_steps: _Optional[int] = ..., activities: _Optional[_Iterable[str]] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ..., profile_id: _Optional[str] = ...) -> None: ...
+    output_dir: str
+    def __init__(self, num_steps: _Optional[int] = ..., activities: _Optional[_Iterable[str]] = ..., record_shapes: _Optional[bool] = ..., with_stack: _Optional[bool] = ..., profile_id: _Optional[str] = ..., output_dir: _Optional[str] = ...) -> None: ...
 
 class StopProfileRequest(_message.Message):
     __slots__ = ()
