@@ -81,9 +81,10 @@ class Drafting:
             if seq.draft is None:
                 continue
             if self.spec.needs_features and not self._features_ready(seq):
-                if seq.features_on_pod:
-                    # its draft lost its state after steps whose features stayed on the pod: the target recomputes
-                    # them all in a re-prefill (next iteration), which prefills that draft again
+                if seq.features.start > 0:
+                    # its draft lost its state after steps whose features stayed on the pod (the log starts after
+                    # them): the target recomputes them all in a re-prefill (next iteration), which prefills that
+                    # draft again
                     seq.needs_target_prefill, seq.draft_synced_len = True, 0
                     seq.features.reset(None)
                 continue
@@ -106,7 +107,6 @@ class Drafting:
         every committed token and the features stayed there."""
         seq.draft = self._route(seq)
         seq.draft_synced_len = len(seq.committed) if seq.draft is not None else 0
-        seq.features_on_pod = True
         seq.features.reset(None, start=len(seq.committed) - 1)  # rows from here on, should a step return them
 
     def _features_ready(self, seq: Sequence) -> bool:

@@ -8,12 +8,9 @@ profile and a summary. The answer names, per process, what it wrote or why it co
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import asdict
 
 from protos.profiler import ProcessProfiler, ProfileError, ProfileOptions, ProfileState
-
-logger = logging.getLogger(__name__)
 
 
 class ClusterProfiler:

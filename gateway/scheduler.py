@@ -390,7 +390,6 @@ class Scheduler:
             return
         for seq, result in zip(seqs, results):
             seq.needs_target_prefill = False
-            seq.features_on_pod = False
             if seq.num_output == 0:  # the first prefill: what the prompt got from the target's prefix cache
                 seq.cached_prompt_tokens = result.num_cached_tokens
             if feats:
@@ -600,7 +599,6 @@ class Scheduler:
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
                 if item.propose_next is not None and self.spec.needs_features and result.features is None:
                     # the draft took them on the pod: the gateway's log holds the rows of later steps only
-                    seq.features_on_pod = True
                     seq.features.reset(None, start=len(seq.committed) - 1)
                 if result.proposal is not None and not seq.finished:
                     self.drafting.keep_proposal(seq, result.proposal, item.propose_next)

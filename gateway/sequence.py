@@ -43,10 +43,13 @@ class Sequence:
         self.needs_target_prefill = False  # set when the target answered STALE: re-sync from `committed`
         self.no_target_since: float | None = None  # when it found no live target pod (it waits for one, bounded)
         self.draft_synced_len = 0  # committed tokens the draft pod knows; 0 = it must be (re-)prefilled
+        # target features of committed[:-1] for feature drafts; with the draft in the target's process the rows of
+        # fused steps stay on the pod and the log starts after them (FeatureLog.start): enough for that draft, not
+        # for re-prefilling one that lost its state
         self.features = FeatureLog()
         self.target = None  # TargetClient of the pod holding this sequence's KV (sticky while it is up)
         self.draft = None  # DraftClient of its draft pod, None = unassigned
-        self.target_failures = 0  # target features of committed[:-1], for feature-based drafts
+        self.target_failures = 0  # target pod failures this request has survived (max_pod_failures bounds them)
         self.verify_steps = 0
         self.accepted_draft_tokens = 0
         self.proposed_draft_tokens = 0
@@ -54,9 +57,6 @@ class Sequence:
         # a draft in the target pod's process: the tree it drafted right after the last Verify (VerifyInput.
         # propose_next) for the next step; a Predraft with no guessed tail
         self.proposal: Predraft | None = None
-        # Feature drafts in the target's process: the features of fused steps went to the draft on the pod, not here
-        # (the log then starts after them: enough for that draft, not for re-prefilling one that lost its state)
-        self.features_on_pod = False
         self.predraft_hits = 0
         self.predraft_misses = 0
         self.cached_prompt_tokens = 0  # prompt tokens the target's prefix cache served at the first prefill

@@ -59,9 +59,11 @@ class StaticStep:
             from runtime import cuda_graph
 
             self._untraced_kernels()
-            # one compilation per bucket (the bucket is a Python int the code specialises on)
-            limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, len(self.sizes) + 8)
+            # one compilation per bucket (the bucket is a Python int the code specialises on); older torch names
+            # the limit cache_size_limit
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), len(self.sizes) + 8))
             self._compiled = torch.compile(self.run, backend=cuda_graph.COMPILE_BACKEND, dynamic=False)
         return self._compiled
 
