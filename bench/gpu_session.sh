@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: profile_serve colocate_k compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -135,9 +135,10 @@ for s in $STAGES; do
       # session): k verify+draft steps per Verify call, k = 1 (default) / 2 / 4 -- the demo path, then 8B services
       timeout 360 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree-apart \
         EAGLE3-tree EAGLE3-tree-k2 EAGLE3-tree-k4 EAGLE3-auto EAGLE3-auto-k4 STANDALONE-chain STANDALONE-chain-k4 \
-        --out "$R/accept_k.json" -- \
+        --profile-dir "$R/profiles_k" --out "$R/accept_k.json" -- \
         --device cuda --cuda-graph-max-bs 8 > "$R/accept_k.log" 2>&1
-      tail -11 "$R/accept_k.log"
+      tail -11 "$R/accept_k.log"; grep -E "profile " "$R/accept_k.log" | tail -9 ;;
+    colocate_k8b)  # the same at 8B shapes (SYNTHETIC) through the services, k = 2 and 4 (k = 1: colocate8b)
       for k in 2 4; do
         timeout 110 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
           --configs 5/1/6@3.5 6/4/16@5 --max-new-tokens 128 --colocate "--gateway-args=--num-continuous-decode-steps $k" \
