@@ -84,7 +84,8 @@ CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-cont
 # torch.compile'd static steps and decode graphs at batch 1 (--enable-torch-compile: fewer, fused kernels per graph;
 # the graphs' host replay cost grows with their node count) against the plain ones (A/B)
 CONFIGS.update({f"{name}-compile": [*CONFIGS[name], "--enable-torch-compile", "--torch-compile-max-bs", "1"]
-                for name in ("AR", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain")})
+                for name in ("AR", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain", "EAGLE3-tree-k4",
+                             "EAGLE3-auto-k4", "STANDALONE-chain-k4")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})
@@ -271,7 +272,14 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="extra flags for tandem serve (after --)")
     args = p.parse_args()
     prompts = heldout_prompts(DEFAULT_MODEL, args.num_prompts, args.prompt_chars)
-    results = [run_config(name, CONFIGS[name], prompts, args) for name in args.configs]
+    results = []
+    for name in args.configs:  # each row as it lands: a run stopped by a time limit keeps what it measured
+        results.append(run_config(name, CONFIGS[name], prompts, args))
+        r = results[-1]
+        print(f"  {name}: {r['tokens_per_s']:.1f} tok/s, mean accept length {r['mean_accept_length']:.2f}, "
+              f"{r.get('ms_per_step', float('nan')):.2f} ms per step", flush=True)
+        if args.out:
+            Path(args.out).with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
     if args.hf_peers:
         results += hf_peers(prompts, args)
     ar = next((r for r in results if r["config"] == "AR"), None)
@@ -300,6 +308,7 @@ def main() -> None:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
+        out.with_suffix(".partial.json").unlink(missing_ok=True)
         try:
             import matplotlib
 

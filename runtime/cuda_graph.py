@@ -247,7 +247,23 @@ def _compile(runner: ModelRunner):
     """torch.compile of the runner's model. The attention backend launches its own kernels from host-built metadata:
     it runs as it is between the compiled regions (a graph break per layer), never traced."""
     untraced_attention(runner)
+    configure_dynamo()
     return torch.compile(runner.model, backend=COMPILE_BACKEND)
+
+
+def configure_dynamo() -> None:
+    """Dynamo's recompile limits for compiling graph code. Each captured shape is one compilation, and a decoder
+    layer's frame (resumed after its attention break) compiles once per shape, per model in the process and, where
+    dynamo specialises on the layer's `layer_id`, per layer; past `recompile_limit` (8) dynamo runs a frame uncompiled,
+    as the later layers of the H200's compile_steps run did (11th session). Allow one compilation per captured shape
+    and layer."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch's name
+    setattr(config, name, max(getattr(config, name), 1024))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8192)
 
 
 def untraced_attention(runner: ModelRunner) -> None:

@@ -134,11 +134,12 @@ class StaticBlockDraftStep(StaticStep):
         """The chains of B - 1 draft tokens of these sequences (at most max_bs), one readback."""
         bs, n = self.bucket_for(len(items)), self.block
         host = self.new_host_rows(bs, max(len(item.block_table) for item in items))
+        packed = host.numpy()
         for i, item in enumerate(items):
             inject = item.inject_slots or []
-            host[i, :4 + n + len(inject)] = torch.tensor([item.last_token, item.position, item.context_len,
-                                                          item.inject_start, *item.block_slots, *inject])
-            self.put_table(host[i], item.block_table)
+            packed[i, :4 + n + len(inject)] = [item.last_token, item.position, item.context_len, item.inject_start,
+                                               *item.block_slots, *inject]
+            self.put_table(packed[i], item.block_table)
         rows = [(i, item.features) for i, item in enumerate(items) if item.features is not None and item.inject_slots]
         if rows:  # one block of feature rows where they are (the wire's on the host), one copy
             src = rows[0][1].device
@@ -147,4 +148,4 @@ class StaticBlockDraftStep(StaticStep):
                 feats[i, :row.shape[0]] = row.to(src, self.features.dtype)
             pinned = src.type == "cpu" and self.features.device.type == "cuda"
             self.features[:bs].copy_(feats.pin_memory() if pinned else feats, non_blocking=pinned)
-        return self.execute(host)[:len(items)].tolist()
+        return self.read_back(self.execute(host)[:len(items)]).tolist()

@@ -190,13 +190,14 @@ class StaticDraftStep(StaticStep):
         bs = self.bucket_for(num)
         q = self.shape.catch_up
         host = self.new_host_rows(bs, max(len(item.block_table) for item in items))
+        rows = host.numpy()
         for i, item in enumerate(items):
             n = len(item.token_ids)
             pad = q - n
             start = item.start
-            row = [0] * pad + item.token_ids + [0] * pad + list(range(start, start + n)) + [-1] * pad + item.slots
-            host[i, :3 * q + 2] = torch.tensor(row + [start, start + n])
-            self.put_table(host[i], item.block_table)
+            rows[i, :3 * q + 2] = ([0] * pad + item.token_ids + [0] * pad + list(range(start, start + n)) + [-1] * pad
+                                   + item.slots + [start, start + n])
+            self.put_table(rows[i], item.block_table)
         if self.feature_head:  # one block of features (where the rows are: the wire's on the host), one copy
             src = items[0].features.device
             feats = torch.zeros(bs, q, self.features.shape[1], dtype=self.features.dtype, device=src)
@@ -206,7 +207,7 @@ class StaticDraftStep(StaticStep):
             self.features[:bs * q].copy_((feats.pin_memory() if pinned else feats).view(bs * q, -1),
                                          non_blocking=pinned)
             self._put_own(items, bs)
-        rows = self.execute(host)[:num].tolist()  # the one device->host copy of a Propose
+        rows = self.read_back(self.execute(host)[:num]).tolist()  # the one device->host copy of a Propose
         m = self.shape.num_draft_tokens - 1
         trees = []
         for row in rows:

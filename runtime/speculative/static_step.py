@@ -40,6 +40,11 @@ class StaticStep:
         self.compile_max_bs = ec.torch_compile_max_bs if ec.enable_torch_compile else 0
         self._compiled = None  # torch.compile of `run`, made on first use
         self.compiled_sizes: list[int] = []  # buckets whose graph captured the compiled code
+        # On CUDA the packed inputs are built in pinned host memory kept across steps (no allocation or pinning per
+        # step) and the readback lands in another: both copies are asynchronous DMA.
+        self._staging: torch.Tensor | None = None
+        self._staged: torch.cuda.Event | None = None  # the last copy out of _staging
+        self._readback: torch.Tensor | None = None
 
     def run(self, num_seqs: int) -> torch.Tensor:
         raise NotImplementedError
@@ -54,16 +59,10 @@ class StaticStep:
         if bs > self.compile_max_bs:
             return self.run
         if self._compiled is None:
-            import torch._dynamo
-
             from runtime import cuda_graph
 
             self._untraced_kernels()
-            # one compilation per bucket (the bucket is a Python int the code specialises on); older torch names
-            # the limit cache_size_limit
-            config = torch._dynamo.config
-            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            setattr(config, name, max(getattr(config, name), len(self.sizes) + 8))
+            cuda_graph.configure_dynamo()  # one compilation per bucket (a Python int the code specialises on)
             self._compiled = torch.compile(self.run, backend=cuda_graph.COMPILE_BACKEND, dynamic=False)
         return self._compiled
 
@@ -121,7 +120,15 @@ class StaticStep:
         up to max_table_len blocks (None: the widest; the columns past it keep stale values on the device, which the
         step never reads: every sequence's KV ends before them)."""
         width = self.cols if max_table_len is None else self.table_col + max(1, max_table_len)
-        host = torch.zeros(bs, width, dtype=torch.int64)
+        if self.inputs.device.type != "cuda":
+            host = torch.zeros(bs, width, dtype=torch.int64)
+        else:
+            if self._staging is None:
+                self._staging = torch.empty(self.max_bs * self.cols, dtype=torch.int64, pin_memory=True)
+            if self._staged is not None:
+                self._staged.synchronize()  # the last step's copy out of the buffer is done (it normally is)
+            host = self._staging[:bs * width].view(bs, width)
+            host.zero_()
         self._pad_host(host)
         return host
 
@@ -129,16 +136,35 @@ class StaticStep:
         """Fill `host` (bs, cols) with padding rows (the values _pad_inputs writes on the device)."""
         raise NotImplementedError
 
-    def put_table(self, row: torch.Tensor, block_table: list[int]) -> None:
-        row[self.table_col:self.table_col + len(block_table)] = torch.tensor(block_table)
+    def put_table(self, row, block_table: list[int]) -> None:
+        """A block table into a packed row (a row of `new_host_rows(...).numpy()`)."""
+        row[self.table_col:self.table_col + len(block_table)] = block_table
 
     def execute(self, host: torch.Tensor) -> torch.Tensor:
         """One host->device copy of the packed inputs (as many table columns as the host rows hold), then the
         bucket's graph (or the device code, eager)."""
         bs, width = host.shape
-        on_cuda = self.inputs.device.type == "cuda"
-        self.inputs[:bs, :width].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        if self.inputs.device.type == "cuda":
+            self.inputs[:bs, :width].copy_(host, non_blocking=host.is_pinned())
+            if self._staged is None:
+                self._staged = torch.cuda.Event()
+            self._staged.record()
+        else:
+            self.inputs[:bs, :width].copy_(host)
         return self.replay(bs)
+
+    def read_back(self, out: torch.Tensor) -> torch.Tensor:
+        """The step's one device->host copy of `out` (contiguous), into pinned memory kept across steps: the result
+        is valid until this step's next read_back (clone what must outlive it)."""
+        if out.device.type != "cuda":
+            return out
+        nbytes = out.numel() * out.element_size()
+        if self._readback is None or self._readback.numel() < nbytes:
+            self._readback = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+        host = self._readback[:nbytes].view(out.dtype).view(out.shape)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(out.device).synchronize()
+        return host
 
     def replay(self, bs: int) -> torch.Tensor:
         self.num_replays += 1

@@ -147,11 +147,11 @@ class StaticVerifyStep(StaticStep):
         bs = self.bucket_for(num)
         w = self.width
         host = self.new_host_rows(bs, max(len(item.block_table) for item in items))
+        rows = host.numpy()
         for i, item in enumerate(items):
-            host[i, :4 * w + 1] = torch.tensor(item.token_ids + item.positions + item.slots + item.parents
-                                               + [item.start])
-            self.put_table(host[i], item.block_table)
-        data = self.execute(host).cpu()  # the one device->host copy of a Verify
+            rows[i, :4 * w + 1] = item.token_ids + item.positions + item.slots + item.parents + [item.start]
+            self.put_table(rows[i], item.block_table)
+        data = self.read_back(self.execute(host))  # the one device->host copy of a Verify
         head = bs * (2 * w + 1) * 8
         result = data[:head].view(torch.int64).view(bs, 2 * w + 1).numpy().tolist()  # host memory already
         feats = None

@@ -30,15 +30,29 @@ def llama(tmp_path_factory) -> str:
 
 
 class ReadbackCounter:
-    """Counts device->host reads (.tolist / .item / .cpu / .to('cpu')) of tensors made while it is active."""
+    """Counts device->host reads made while it is active: a static step's read_back, and .tolist / .item / .cpu of
+    any tensor but what a read_back returned (host memory already on a GPU; the device's output itself on CPU)."""
 
     def __init__(self, monkeypatch) -> None:
+        from runtime.speculative.static_step import StaticStep
+
         self.count = 0
+        read = set()  # storages read_back returned
+        original_read_back = StaticStep.read_back
+
+        def read_back(step, out):
+            self.count += 1
+            host = original_read_back(step, out)
+            read.add(host.untyped_storage().data_ptr())
+            return host
+
+        monkeypatch.setattr(StaticStep, "read_back", read_back)
         for name in ("tolist", "item", "cpu"):
             original = getattr(torch.Tensor, name)
 
             def counted(t, *a, _original=original, **kw):
-                self.count += 1
+                if t.untyped_storage().data_ptr() not in read:
+                    self.count += 1
                 return _original(t, *a, **kw)
 
             monkeypatch.setattr(torch.Tensor, name, counted)
@@ -233,7 +247,7 @@ def test_eagle3_predraft_static_matches_eager_and_a_miss_rolls_back(tmp_path, sp
     assert not static_run[1] and not eager_run[1], "own hiddens of a wrong guess must be dropped"
 
 
-def test_static_steps_under_torch_compile_match_eager(llama, monkeypatch):
+def test_static_steps_under_torch_compile_match_eager(tmp_path, monkeypatch):
     """--enable-torch-compile: the graphs of <= --torch-compile-max-bs sequences capture the static draft and verify
     steps' device code compiled by torch.compile (dynamo's "eager" backend here: tracing, graph breaks around the
     attention kernels, guards; inductor's fusion runs on the GPU). Run through the compiled code, the trees and the
@@ -244,6 +258,10 @@ def test_static_steps_under_torch_compile_match_eager(llama, monkeypatch):
     from tests.graphs.test_verify_step import _generate, Method
 
     monkeypatch.setattr(cuda_graph, "COMPILE_BACKEND", "eager")
+    # Dynamo falls back to running a frame uncompiled once it recompiled it recompile_limit (8) times; here that is an
+    # error. Every decoder layer's frame (resumed after the attention break) would otherwise recompile per layer and
+    # shape: a deep model's later layers ran uncompiled on the H200 (compile_steps, 11th session).
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     torch._dynamo.reset()
     used = []
 
@@ -254,6 +272,7 @@ def test_static_steps_under_torch_compile_match_eager(llama, monkeypatch):
             return code(bs)
 
     monkeypatch.setattr(StaticStep, "replay", replay)
+    llama = make_tiny_model("llama", tmp_path, num_hidden_layers=6)
     results = []
     for compiled in (True, False):
         cfg = _config(enable_torch_compile=compiled, torch_compile_max_bs=2, max_total_tokens=4096)
