@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -138,6 +138,21 @@ for s in $STAGES; do
         --profile-dir "$R/profiles_k" --out "$R/accept_k.json" -- \
         --device cuda --cuda-graph-max-bs 8 > "$R/accept_k.log" 2>&1
       tail -11 "$R/accept_k.log"; grep -E "profile " "$R/accept_k.log" | tail -9 ;;
+    defaults_k_compile)  # the A/B behind two serve defaults, the demo path at batch 1: speculative steps per Verify
+      # call (k = 1 / 2 / 4, co-located draft) and torch.compile'd graphs and static steps at batch 1; then 8B AR
+      # through the services with and without torch.compile (its start-up time in the log)
+      timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR AR-compile EAGLE3-tree \
+        EAGLE3-tree-k2 EAGLE3-tree-k4 EAGLE3-tree-k4-compile EAGLE3-auto-k4 STANDALONE-chain STANDALONE-chain-k4 \
+        STANDALONE-chain-k4-compile --out "$R/accept_defaults.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_defaults.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_defaults.log" | tail -24
+      for c in plain compile; do
+        extra=""; [ $c = compile ] && extra="--enable-torch-compile --torch-compile-max-bs 1"
+        timeout 150 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --out-dir "$R/serve_decode_$c" \
+          -- --cuda-graph-max-bs 4 $extra > "$R/serve_decode_$c.log" 2>&1
+        grep -E "ready in" "$R/serve_decode_$c.log" | tail -1
+        cat "$R/serve_decode_$c/results.md" 2>/dev/null || tail -5 "$R/serve_decode_$c.log"
+      done ;;
     colocate_k8b)  # the same at 8B shapes (SYNTHETIC) through the services, k = 2 and 4 (k = 1: colocate8b)
       for k in 2 4; do
         timeout 110 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
