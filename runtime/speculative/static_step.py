@@ -124,7 +124,8 @@ class StaticStep:
             host = torch.zeros(bs, width, dtype=torch.int64)
         else:
             if self._staging is None:
-                self._staging = torch.empty(self.max_bs * self.cols, dtype=torch.int64, pin_memory=True)
+                with torch.inference_mode(False):  # a normal tensor: steps run in and out of inference mode
+                    self._staging = torch.empty(self.max_bs * self.cols, dtype=torch.int64, pin_memory=True)
             if self._staged is not None:
                 self._staged.synchronize()  # the last step's copy out of the buffer is done (it normally is)
             host = self._staging[:bs * width].view(bs, width)
@@ -160,7 +161,8 @@ class StaticStep:
             return out
         nbytes = out.numel() * out.element_size()
         if self._readback is None or self._readback.numel() < nbytes:
-            self._readback = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+            with torch.inference_mode(False):
+                self._readback = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
         host = self._readback[:nbytes].view(out.dtype).view(out.shape)
         host.copy_(out, non_blocking=True)
         torch.cuda.current_stream(out.device).synchronize()
