@@ -57,7 +57,8 @@ class SchedulerConfig:
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
     # With the draft in the target's process (drafts_on_target): speculative steps (verify, draft, verify, ...) per
-    # Verify call. `tandem serve`: --num-continuous-decode-steps when given, else 1 (not measured on a GPU yet).
+    # Verify call. `tandem serve`: --num-continuous-decode-steps when given, else 4
+    # (tandem.services.AUTO_SPECULATIVE_STEPS_PER_CALL, measured on the H200).
     speculative_steps_per_call: int = 1
     # The target pods draft in their own process (`--colocate-draft`; UNO by its registry entry): Propose goes to the
     # pod holding the sequence and every Verify drafts the next tree in the same call (one round trip per step).

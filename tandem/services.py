@@ -69,12 +69,17 @@ def continuous_decode_steps(args: argparse.Namespace) -> int:
     return AUTO_CONTINUOUS_DECODE_STEPS
 
 
+# bench/results/session11_h200 (one H200, the demo family through tandem serve, batch 1, same run): EAGLE3 5/4/16
+# co-located, one speculative step per Verify call 1183.4 tok/s (3.55 ms per step), four 1812.5 (2.32 ms; 1.36x plain
+# decoding's 1334.2): the gateway's work and a round trip per step were a third of the step
+AUTO_SPECULATIVE_STEPS_PER_CALL = 4
+
+
 def speculative_steps_per_call(args: argparse.Namespace) -> int:
     """Speculative steps (verify, then draft) per Verify call with the draft in the target's process:
-    --num-continuous-decode-steps when given, else 1 (the default that several steps per call would replace is not
-    measured on a GPU yet: `bash bench/gpu_session.sh colocate_k`). Adaptive speculation's plain-decode tiers keep
-    their own default (continuous_decode_steps)."""
-    return getattr(args, "num_continuous_decode_steps", None) or 1
+    --num-continuous-decode-steps when given, else AUTO_SPECULATIVE_STEPS_PER_CALL. Adaptive speculation's
+    plain-decode tiers keep their own default (continuous_decode_steps)."""
+    return getattr(args, "num_continuous_decode_steps", None) or AUTO_SPECULATIVE_STEPS_PER_CALL
 
 
 def _auto_mem_fraction(device: str) -> float:

@@ -123,13 +123,14 @@ def test_default_is_several_steps_per_call_only_when_nothing_drafts(flags, want)
     assert continuous_decode_steps(build_parser().parse_args(["gateway", "--target-address", "h:1", *flags])) == want
 
 
-@pytest.mark.parametrize("flags,want", [(["--speculative-algorithm", "EAGLE3"], 1),
-                                        (["--speculative-algorithm", "STANDALONE", "--speculative-adaptive"], 1),
+@pytest.mark.parametrize("flags,want", [(["--speculative-algorithm", "EAGLE3"], 4),
+                                        (["--speculative-algorithm", "STANDALONE", "--speculative-adaptive"], 4),
+                                        (["--speculative-algorithm", "EAGLE3", "--num-continuous-decode-steps", "1"], 1),
                                         (["--speculative-algorithm", "EAGLE3", "--num-continuous-decode-steps", "3"], 3)])
-def test_speculative_steps_per_call_follow_the_flag_only(flags, want):
-    """With the draft in the target's process a Verify call may run several speculative steps: as many as
-    --num-continuous-decode-steps says, else one (not measured on a GPU yet) — adaptive speculation's default of
-    several plain decode steps per call for its draft-free tiers does not carry over to its speculative ones."""
+def test_speculative_steps_per_call_follow_the_flag_else_the_measured_default(flags, want):
+    """With the draft in the target's process a Verify call runs several speculative steps: as many as
+    --num-continuous-decode-steps says, else AUTO_SPECULATIVE_STEPS_PER_CALL (4, chosen on the H200:
+    bench/results/session11_h200)."""
     from tandem.cli import build_parser
     from tandem.services import speculative_steps_per_call
 
