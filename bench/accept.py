@@ -86,6 +86,10 @@ CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-cont
 CONFIGS.update({f"{name}-compile": [*CONFIGS[name], "--enable-torch-compile", "--torch-compile-max-bs", "1"]
                 for name in ("AR", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain", "EAGLE3-tree-k4",
                              "EAGLE3-auto-k4", "STANDALONE-chain-k4")})
+# The target pod runs the call it expects next while the answer travels (--enable-run-ahead; A/B)
+CONFIGS.update({f"{name}-ahead": [*CONFIGS[name], "--enable-run-ahead"]
+                for name in ("AR", "EAGLE3-tree", "EAGLE3-tree-k4", "EAGLE3-auto", "STANDALONE-chain",
+                             "STANDALONE-chain-k4")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

@@ -102,12 +102,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return await self.worker.run(lambda: [self.proposer.prefill(*item) for item in items])
 
     async def propose_local(self, inputs: list[ProposeInput]) -> list[ProposeOutput]:
-        """Propose checked inputs (the wire's, or a co-located target's fused verify → propose, whose caller it
-        checked); short catch-ups inline on the event loop."""
+        """Propose checked inputs (the wire's) on the ModelWorker; short catch-ups inline on the event loop."""
+        bounded = self.proposer.catch_up_tokens(inputs) <= INLINE_MAX_CATCH_UP
+        return await self.worker.run(self.propose_now, inputs, inline=bounded)
+
+    def propose_now(self, inputs: list[ProposeInput]) -> list[ProposeOutput]:
+        """Propose checked inputs in the calling thread: from propose_local, or from a co-located target's fused
+        verify → propose, which runs on the ModelWorker the two share and checked its caller."""
         start = time.perf_counter()
         self.leases.touch([inp.seq_id for inp in inputs])
-        bounded = self.proposer.catch_up_tokens(inputs) <= INLINE_MAX_CATCH_UP
-        outputs = await self.worker.run(self.proposer.propose, inputs, inline=bounded)
+        outputs = self.proposer.propose(inputs)
         if self.metrics is not None:
             self.metrics.observe_forward("Propose", time.perf_counter() - start, len(inputs))
         return outputs

@@ -87,6 +87,14 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                                "replica, no --draft-base-gpu-id, --tp-size 1, no --enable-overlap-drafting; chosen by "
                                "bench/results/colocate_h200); `serve` then starts no draft process; "
                                "--no-colocate-draft keeps a draft process" if launcher else "Default: off"))
+    if tp:
+        g.add_argument("--enable-run-ahead", action="store_true",
+                       help="after answering a Verify call, the target pod runs the call it expects next (the same "
+                            "sequences from their new committed ends, verifying the trees it drafted itself with "
+                            "--colocate-draft, or the same plain decode steps) while the answer travels and the gateway "
+                            "works on it; the next call that asks exactly that gets it at once, any other rolls it back "
+                            "(lossless either way). Greedy sequences without logprobs only. Off by default until "
+                            "measured on a GPU (`bash bench/gpu_session.sh run_ahead`)")
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,
                        help="GPU of the draft service (cuda:N), e.g. one the target does not use (default: --device)")

@@ -134,7 +134,8 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
         cmds[f"target-{i}"] = [*base, "target", *_model_flags(args), *_spec_flags(args), "--service-host", host,
                                "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
                                "--max-verify-tree-nodes", str(args.max_verify_tree_nodes),
-                               *(["--colocate-draft"] if colocates_draft(args) else [])]
+                               *(["--colocate-draft"] if colocates_draft(args) else []),
+                               *(["--enable-run-ahead"] if getattr(args, "enable_run_ahead", False) else [])]
         target_addrs.append(f"{host}:{port}")
     entry = algorithms.get(args.speculative_algorithm)
     if entry.drafts_on_target or colocates_draft(args):  # UNO, --colocate-draft: every target pod also serves

@@ -94,6 +94,9 @@ class ServiceMetrics:
                                     [*labels, "rpc", "code"], registry=r)
         self.rpc_duration = Histogram(PREFIX + "rpc_duration_seconds", "Wall time of an RPC in the server",
                                       [*labels, "rpc"], buckets=FORWARD_BUCKETS, registry=r)
+        self.run_ahead = Counter(PREFIX + "run_ahead", "Verify calls a target pod had run ahead (--enable-run-ahead), "
+                                 "by outcome: hit (the call asked exactly that) or miss (rolled back)",
+                                 [*labels, "outcome"], registry=r)
 
     def bind_memory(self, memory: Callable[[], tuple[int, int, int]]) -> None:
         """memory() -> (free_kv_tokens, total_kv_tokens, num_seqs), read at scrape time."""

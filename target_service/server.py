@@ -27,7 +27,7 @@ from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from protos.wire import PROTOCOL, start_server
 from runtime.memory import accelerator_id
 from core.steps import PrefillInput, ProposeInput, ProposeOutput, StepOutput, VerifyInput
-from core.types import SeqStatus as Status
+from core.types import DraftTree, SeqStatus as Status
 from draft_service.convert import check_spec
 from target_service import convert
 from target_service.engine import TargetEngine
@@ -35,11 +35,14 @@ from target_service.engine import TargetEngine
 logger = logging.getLogger(__name__)
 # A Verify asking at most this many decode steps per sequence runs inline on the event loop (bounded work).
 INLINE_MAX_DECODE_STEPS = 16
+# How long a Verify waits for the run-ahead before it (the call then queues behind it on the ModelWorker anyway).
+RUN_AHEAD_WAIT_S = 60.0
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, model_path: str, metrics=None, inline_steps: bool = True,
-                 max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S):
+                 max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S,
+                 run_ahead: bool = False):
         self.engine = engine
         self.leases = SeqLeases(seq_idle_ttl_s)  # owner and last use of every sequence
         self.model_path = model_path
@@ -48,6 +51,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
         self.drafter = None  # a DraftServicer in this process (UNO, --colocate-draft): answers propose_next
         self.profiling: ProfilerServicer | None = None  # counts Verify calls as profile steps
+        # --enable-run-ahead: the next call's inputs as this pod expects them and the task running them
+        self.run_ahead = run_ahead
+        self._ahead: tuple[list[VerifyInput], asyncio.Future] | None = None
+        self.run_ahead_counts = {"hit": 0, "miss": 0}
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
@@ -65,9 +72,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self.drafter is not None and any(inp.prefill_draft for inp in inputs):
             await self._prefill_draft(inputs, prefilled, owner)
         elif any(inp.propose_next is not None for inp in inputs):  # no draft here: each such sequence is told so
-            await self._draft_next([(inp, out, len(inp.token_ids) + len(out.token_ids), [], None)
-                                    for inp, out in zip(inputs, prefilled) if inp.propose_next is not None
-                                    and out.status == Status.OK and out.finish_reason is None])
+            self._draft_next([(inp, out, len(inp.token_ids) + len(out.token_ids), [], None)
+                              for inp, out in zip(inputs, prefilled) if inp.propose_next is not None
+                              and out.status == Status.OK and out.finish_reason is None])
         outputs = convert.merge(slots, prefilled)
         return pb.TargetPrefillResponse(
             results=[convert.prefill_result(o) for o in outputs], memory=self._memory(),
@@ -86,27 +93,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         start = time.perf_counter()
         inputs, slots = convert.split(self._owned(convert.verify_inputs(request, self.limits), caller(context)))
         self.leases.touch([inp.seq_id for inp in inputs])
-        bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
-        # features the caller asked for; a feature draft in this process gets those of propose_next steps either way
-        wire_features = [inp.return_features for inp in inputs]
-        if self.drafter is not None and self.drafter.proposer.needs_features:
-            for inp in inputs:
-                inp.return_features = inp.return_features or inp.propose_next is not None
-        # propose_next with num_decode_steps k > 1: k speculative steps (verify, then draft) back to back, below
-        steps = [inp.num_decode_steps for inp in inputs]
-        for inp in inputs:
-            if inp.propose_next is not None:
-                inp.num_decode_steps = 1
-        verified = await self.worker.run(self.engine.verify, inputs, inline=bounded) if inputs else []
-        forward_ms = self.engine.last_forward_ms
-        if any(inp.propose_next is not None for inp in inputs):
-            await self._propose_next(inputs, verified)
-            forward_ms += await self._speculative_steps(inputs, verified, steps, wire_features)
+        ran = await self._take_ahead(inputs)
+        if ran is None and inputs:
+            bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
+            ran = await self.worker.run(self._steps, inputs, inline=bounded)
+        verified, forward_ms = ran or ([], 0.0)
+        self._start_ahead(inputs, verified)
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
-        for out, asked in zip(verified, wire_features):
-            if not asked:  # handed to the draft here, not sent
-                out.features = None
         outputs = convert.merge(slots, verified)
         response = pb.VerifyResponse(
             results=[convert.verify_result(o) for o in outputs], memory=self._memory(),
@@ -114,6 +108,74 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self.profiling is not None:
             await self.profiling.step()
         return response
+
+    def _steps(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float]:
+        """A Verify call's model work (on the ModelWorker): the verify forward (and plain decode steps); with
+        propose_next, the next tree drafted here and num_decode_steps - 1 more speculative steps (verify, then draft)
+        back to back. Returns the outputs and the milliseconds of verify forwards; the inputs are left as they came
+        (a run-ahead compares them with the next call's)."""
+        # features the caller asked for; a feature draft in this process gets those of propose_next steps either way
+        feeds_draft = self.drafter is not None and self.drafter.proposer.needs_features
+        work = [dataclasses.replace(inp, return_features=inp.return_features or feeds_draft,
+                                    num_decode_steps=1) if inp.propose_next is not None else inp for inp in inputs]
+        verified = self.engine.verify(work)
+        forward_ms = self.engine.last_forward_ms
+        if any(inp.propose_next is not None for inp in work):
+            self._propose_next(work, verified)
+            forward_ms += self._speculative_steps(work, verified, [inp.num_decode_steps for inp in inputs],
+                                                  [inp.return_features for inp in inputs])
+        for out, inp in zip(verified, inputs):
+            if not inp.return_features:  # handed to the draft here, not sent
+                out.features = None
+        return verified, forward_ms
+
+    # ---- run-ahead (--enable-run-ahead) --------------------------------------------------------------------------
+    def _start_ahead(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
+        """While this call's answer travels and the gateway works on it, run the call that will most likely come
+        next: the same sequences, each from its new committed end, verifying the tree this pod just drafted (or the
+        same plain decode steps). Only where that call is known exactly: greedy sequences, no logprobs or features
+        on the wire, every output running, every step either a plain decode or a tree drafted here. It runs on the
+        worker thread, so the event loop stays free to send this answer and take the next call."""
+        if not self.run_ahead or not inputs or self._ahead is not None:
+            return
+        if self.drafter is not None and self.drafter.proposer.algorithm == "UNO":
+            return  # UNO's verify consumes a clean root its self-draft left pending: not run ahead
+        nexts = []
+        for inp, out in zip(inputs, outputs):
+            if (out.status != Status.OK or out.finish_reason is not None or not out.token_ids
+                    or not inp.sampling.is_greedy or inp.logprobs >= 0 or inp.return_features):
+                return
+            if inp.propose_next is not None:
+                if out.proposal is None or out.proposal.status != Status.OK or not out.proposal.tree.token_ids:
+                    return
+                tree = out.proposal.tree
+            elif inp.tree.token_ids:
+                return  # the gateway's draft chooses the next tree: unknown here
+            else:
+                tree = DraftTree([], [])
+            nexts.append(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
+                                             root_token_id=out.token_ids[-1], tree=tree))
+        self._ahead = (nexts, asyncio.ensure_future(self.worker.run(self._steps, nexts)))
+
+    async def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float] | None:
+        """The outputs of the run-ahead when it ran exactly these inputs (a hit), else None: a miss leaves its steps
+        in the sequences' state, and this call's own verify rolls the target back to the committed length it names
+        (and its draft with it) as after any rejected step. Waits for a run-ahead still running, with a deadline."""
+        if self._ahead is None:
+            return None
+        expected, task = self._ahead
+        self._ahead = None
+        try:
+            ran = await asyncio.wait_for(asyncio.shield(task), RUN_AHEAD_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - a run-ahead that failed counts as a miss; the call runs itself
+            logger.warning("run-ahead failed or timed out (%s: %s); verifying afresh", type(exc).__name__, exc)
+            ran = None
+        hit = ran is not None and inputs == expected
+        outcome = "hit" if hit else "miss"
+        self.run_ahead_counts[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.run_ahead.labels(self.metrics.service, outcome).inc()
+        return ran if hit else None
 
     async def _prefill_draft(self, inputs: list[PrefillInput], outputs: list[StepOutput], owner: str) -> None:
         """PrefillInput.prefill_draft: the draft in this process is prefilled with each sequence's committed tokens
@@ -134,9 +196,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 out.features = None
                 if inp.propose_next is not None:  # the draft knows every committed token: nothing new to feed it
                     asks.append((inp, out, len(inp.token_ids) + len(out.token_ids), [], None))
-        await self._draft_next(asks)
+        await self.worker.run(self._draft_next, asks, inline=True)  # the first trees: no catch-up to run
 
-    async def _speculative_steps(self, inputs: list[VerifyInput], outputs: list[StepOutput], steps: list[int],
+    def _speculative_steps(self, inputs: list[VerifyInput], outputs: list[StepOutput], steps: list[int],
                                  wire_features: list[bool]) -> float:
         """Continuous speculative steps (a draft in this process, propose_next with num_decode_steps k > 1): verify the
         tree the draft just returned, draft the next, and again, until a sequence has run k steps, finished, or got
@@ -155,9 +217,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             nexts = [dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
                                          root_token_id=out.token_ids[-1], tree=out.proposal.tree)
                      for inp, out, _, _ in runs]
-            results = await self.worker.run(self.engine.verify, nexts, inline=True)
+            results = self.engine.verify(nexts)
             forward_ms += self.engine.last_forward_ms
-            await self._propose_next(nexts, results)
+            self._propose_next(nexts, results)
             for (_, out, _, asked), res in zip(runs, results):
                 if res.status != Status.OK:  # the steps before stand; the next call meets the problem again
                     out.proposal = None
@@ -172,7 +234,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 if asked and out.features is not None and res.features is not None:
                     out.features = torch.cat([out.features, res.features])
 
-    async def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
+    def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from
         this verify's outcome — the accepted tokens and, for feature drafts, their target features, handed over on
         the device — as the Propose that would follow this Verify (one round trip per step instead of two)."""
@@ -184,9 +246,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             # overwrites, and the draft may keep them
             features = out.features.clone() if out.features is not None else None
             asks.append((inp, out, inp.committed_len + len(out.token_ids), list(out.token_ids), features))
-        await self._draft_next(asks)
+        self._draft_next(asks)
 
-    async def _draft_next(self, asks: list[tuple]) -> None:
+    def _draft_next(self, asks: list[tuple]) -> None:
         """The Proposes that follow a Prefill or Verify in this process: each ask is (input with propose_next and
         sampling, its output, the committed length after it, the tokens and features the draft has not seen); the
         trees (or why none) land in the outputs' proposal."""
@@ -204,7 +266,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             items.append((out, ProposeInput(out.seq_id, committed_len, new_tokens, inp.propose_next, features,
                                             sampling=None if inp.sampling.is_greedy else inp.sampling)))
         if items:
-            for (out, _), proposal in zip(items, await self.drafter.propose_local([item for _, item in items])):
+            for (out, _), proposal in zip(items, self.drafter.propose_now([item for _, item in items])):
                 out.proposal = proposal
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -238,17 +300,19 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
                        credentials=None, inline_steps: bool = True,
                        max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, service_api_key: str | None = None,
                        seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, proposer=None,
-                       profiler: ProcessProfiler | None = None):
+                       profiler: ProcessProfiler | None = None, run_ahead: bool = False):
     """Start the target gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
     health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
     inline_steps=False runs every model call on the worker thread. proposer: a draft_service Proposer over this
     engine (UNO: the target drafts for itself) served as DraftService on the same port; its calls share the
     target's ModelWorker, so one model call runs at a time. profiler: this process's ProcessProfiler (--profile-dir),
-    served as the Profiler service (without one, StartProfile answers that profiling is off)."""
+    served as the Profiler service (without one, StartProfile answers that profiling is off). run_ahead
+    (--enable-run-ahead): after each Verify, run the call expected next while the answer travels
+    (TargetServicer._start_ahead)."""
     from draft_service.server import DraftServicer
 
-    servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s)
+    servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s, run_ahead)
     drafter = None
     if proposer is not None:
         drafter = DraftServicer(proposer, model_path, metrics=metrics, inline_steps=inline_steps,

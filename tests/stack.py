@@ -47,7 +47,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
                       multi_layer: bool = False, draft_window_size: int | None = None,
-                      lora_path: Path | None = None, colocate: bool = False):
+                      lora_path: Path | None = None, colocate: bool = False, run_ahead: bool = False):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -61,7 +61,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     draft_window_size: a DFLASH draft's --speculative-draft-window-size;
     lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does;
     colocate: the draft's proposer is served by the target server (`--colocate-draft`): every Verify drafts the next
-    tree in the same call."""
+    tree in the same call; run_ahead: the target pod runs the call it expects next (`--enable-run-ahead`)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -113,7 +113,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)
     on_target = uno or (proposer if colocate else None)  # the target server also serves DraftService
     server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
-                                      proposer=on_target)
+                                      proposer=on_target, run_ahead=run_ahead)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
     draft = DraftClient(f"127.0.0.1:{port}") if on_target is not None else None

@@ -56,6 +56,11 @@ def prompts_and_reference():
                  id="eagle3-tree-colocate-static"),
     pytest.param("EAGLE3", DEFAULT_EAGLE3, 3, 1, 4, {"colocate": True}, id="eagle3-chain-colocate"),
     pytest.param("STANDALONE", DEFAULT_DRAFT, 3, 1, 4, {"colocate": True}, id="standalone-chain-colocate"),
+    # --enable-run-ahead: the pod runs the expected next call on its worker thread while the answer travels
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, {"colocate": True, "static_steps": True, "run_ahead": True,
+                                                      "num_continuous_decode_steps": 4},
+                 id="eagle3-tree-colocate-static-k4-run-ahead"),
+    pytest.param("NONE", None, 0, 1, 1, {"run_ahead": True, "num_continuous_decode_steps": 4}, id="ar-run-ahead"),
 ])
 async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt, extra):
     prompts, want = prompts_and_reference

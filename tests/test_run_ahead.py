@@ -1,0 +1,142 @@
+"""--enable-run-ahead: after answering a Verify call the target pod runs the call it expects next (the same
+sequences from their new committed ends, verifying the trees its co-located draft just drafted, or the same plain
+decode steps) while the answer travels; the next call that asks exactly that gets the stored outputs, any other call
+rolls the run-ahead back as after a rejected step. Output is unchanged either way: greedy equals HF `generate`, with
+hits and misses both occurring, sampled and logprob requests (never run ahead) equal the plain stack's, and no KV
+is left behind."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from tests.eagle.heads import make_eagle3_head
+from tests.stack import generate_ids, local_stack, perturbed_copy
+from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run_ahead")
+    path = make_tiny_model("llama", root / "target", num_hidden_layers=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return path, root, hf
+
+
+def _draft(models, algorithm):
+    path, root, _ = models
+    if algorithm == "EAGLE3":
+        return make_eagle3_head(path, str(root / "eagle3"))
+    if algorithm == "STANDALONE":
+        return perturbed_copy(path, root / "standalone", noise=0.05)
+    return None
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt,k", [
+    ("EAGLE3", 4, 3, 10, 1), ("EAGLE3", 3, 1, 4, 3), ("STANDALONE", 3, 2, 6, 2), ("NGRAM", 0, 1, 6, 1),
+    ("NONE", 0, 1, 1, 4),
+])
+async def test_run_ahead_greedy_matches_hf_with_hits_and_misses(models, algorithm, steps, topk, ndt, k):
+    """Requests that arrive one after another change the batch between calls (misses: the pod's guess of the next
+    call was another batch) and then keep it (hits). Every output equals HF greedy; a hit saves the pod's work of
+    a call; the sequences' KV is all returned at the end."""
+    path, _, hf = models
+    async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
+                           topk=topk, num_draft_tokens=ndt, colocate=algorithm != "NONE", run_ahead=True,
+                           num_continuous_decode_steps=k) as scheduler:
+        servicer = scheduler.test_servers[0].servicer
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+
+        async def staggered(i, prompt):
+            await asyncio.sleep(0.05 * i)
+            return await generate_ids(scheduler, prompt, 24 + 6 * i, request_id=f"r{i}")
+
+        results = await asyncio.gather(*(staggered(i, p) for i, p in cases))
+        for (i, prompt), (got, _, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 24 + 6 * i)
+        counts = servicer.run_ahead_counts
+        assert counts["hit"] > 0, counts
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_a_miss_rolls_back_target_and_draft(models):
+    """A Verify other than the expected one (here: the same sequence one step behind, as a gateway that dropped a
+    step's result would send) rolls the run-ahead back: the target and its co-located draft continue from the
+    committed length the call names, and the sequence's output is still HF's."""
+    from core.steps import SpecShape, VerifyInput
+    from core.types import SamplingParams, StopRule
+
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, run_ahead=True) as scheduler:
+        servicer = scheduler.test_servers[0].servicer
+        prompt = prompts(hf.config.vocab_size)[0]
+        want = hf_greedy(hf, prompt, 40)
+        got, _, _ = await generate_ids(scheduler, prompt, 12, request_id="warm")
+        assert got == want[:12]
+        # Drive the pod directly: prefill, one Verify (which starts a run-ahead), then a Verify that repeats the
+        # first step instead of the expected next one: a miss, rolled back.
+        target = scheduler.targets.clients[0]
+        from core.steps import PrefillInput
+
+        shape = SpecShape(3, 1, 4)
+        stop = StopRule(max_new_tokens=40, prompt_len=len(prompt))
+        greedy = SamplingParams(temperature=0.0)
+        [pre] = await target.prefill([PrefillInput("x", list(prompt), True, greedy, stop, True, prefill_draft=True,
+                                                   propose_next=shape)])
+        committed = [*prompt, *pre.token_ids]
+        first = VerifyInput("x", len(committed), committed[-1], pre.proposal.tree, greedy, stop,
+                            propose_next=shape)
+        [out1] = await target.verify([first])
+        misses = servicer.run_ahead_counts["miss"]
+        [again] = await target.verify([first])  # not what the pod ran ahead
+        assert servicer.run_ahead_counts["miss"] == misses + 1
+        assert again.token_ids == out1.token_ids and again.proposal.tree == out1.proposal.tree
+        committed += again.token_ids
+        # and the expected next call after it is a hit that continues HF's output
+        nxt = VerifyInput("x", len(committed), committed[-1], again.proposal.tree, greedy, stop, propose_next=shape)
+        [out2] = await target.verify([nxt])
+        committed += out2.token_ids
+        assert servicer.run_ahead_counts["hit"] >= 1
+        assert committed[len(prompt):] == want[:len(committed) - len(prompt)]
+        await target.release(["x"])  # after the run-ahead the last call started: one model call at a time
+        await scheduler.drafts.clients[0].release(["x"])  # the pod's DraftService (its co-located draft)
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_sampled_and_logprob_requests_are_never_run_ahead(models):
+    """Sampled requests (their draws must stay where plain decoding makes them) and requests with logprobs are not
+    run ahead; seeded sampled output equals the stack's without run-ahead."""
+    path, _, hf = models
+    runs = {}
+    for run_ahead in (False, True):
+        async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                               num_draft_tokens=4, colocate=True, run_ahead=run_ahead) as scheduler:
+            servicer = scheduler.test_servers[0].servicer
+            cases = prompts(hf.config.vocab_size)[:2]
+            sampled = await asyncio.gather(*(generate_ids(scheduler, p, 16, request_id=f"s{i}", temperature=0.8,
+                                                          seed=5 + i) for i, p in enumerate(cases)))
+            runs[run_ahead] = [tokens for tokens, _, _ in sampled]
+            assert servicer.run_ahead_counts == {"hit": 0, "miss": 0}
+            await _assert_no_kv_leak(scheduler)
+    assert runs[True] == runs[False]
+
+
+def test_serve_passes_run_ahead_to_every_target_process():
+    """`tandem serve --enable-run-ahead` starts each target process with the flag (off by default)."""
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    def targets(*flags):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-algorithm", "EAGLE3",
+                                          "--num-target-replicas", "2", *flags])
+        args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
+        return [cmd for name, cmd in commands(args).items() if name.startswith("target-")]
+
+    assert all("--enable-run-ahead" in cmd for cmd in targets("--enable-run-ahead")) and len(targets()) == 2
+    assert not any("--enable-run-ahead" in cmd for cmd in targets())
+    child = build_parser().parse_args(targets("--enable-run-ahead")[0][3:])
+    assert child.enable_run_ahead
