@@ -9,30 +9,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-import transformers
 
-from tests.eagle.heads import make_eagle3_head
-from tests.stack import generate_ids, local_stack, perturbed_copy
+from tests.stack import generate_ids, local_stack
+from tests.test_colocate import _draft, models  # noqa: F401 - the module fixture: tiny target + its drafts
 from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
-from tests.tiny_models import make_tiny_model
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("run_ahead")
-    path = make_tiny_model("llama", root / "target", num_hidden_layers=4)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    return path, root, hf
-
-
-def _draft(models, algorithm):
-    path, root, _ = models
-    if algorithm == "EAGLE3":
-        return make_eagle3_head(path, str(root / "eagle3"))
-    if algorithm == "STANDALONE":
-        return perturbed_copy(path, root / "standalone", noise=0.05)
-    return None
 
 
 @pytest.mark.parametrize("algorithm,steps,topk,ndt,k", [
