@@ -173,10 +173,16 @@ class TargetEngine:
         for inp in inputs:
             if not 1 <= inp.num_decode_steps <= MAX_DECODE_STEPS:
                 raise ValueError(f"num_decode_steps must be in 1..{MAX_DECODE_STEPS}, got {inp.num_decode_steps}")
-        outputs = self._verify_once(inputs)
-        forward_ms = self.last_forward_ms
-        more = [(inp, out) for inp, out in zip(inputs, outputs) if inp.num_decode_steps > 1 and not inp.tree.token_ids]
-        forward_ms += self._pipelined_steps(more)
+        outputs = self._decode_pipelined(inputs)
+        if outputs is not None:  # every step of a plain greedy batch pipelined, the first one included
+            forward_ms = self.last_forward_ms
+            more = list(zip(inputs, outputs))
+        else:
+            outputs = self._verify_once(inputs)
+            forward_ms = self.last_forward_ms
+            more = [(inp, out) for inp, out in zip(inputs, outputs)
+                    if inp.num_decode_steps > 1 and not inp.tree.token_ids]
+            forward_ms += self._pipelined_steps(more)
         while True:
             more = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish_reason is None
                     and out.token_ids and out.num_steps < inp.num_decode_steps and inp.seq_id in self._seqs]
@@ -200,6 +206,38 @@ class TargetEngine:
             more = [(inp, out) for inp, out in more if inp.seq_id not in failed]
             forward_ms += self.last_forward_ms
         self.last_forward_ms = forward_ms
+        return outputs
+
+    def _decode_pipelined(self, inputs: list[VerifyInput]) -> list[StepOutput] | None:
+        """A batch of plain greedy decodes asking several steps (no trees, logprobs, features or penalties; graphs
+        that can replay them): all its steps as one pipelined run (ModelRunner.greedy_decode_steps), the first step
+        too, so a call makes one readback instead of two. The outputs (the sequential loop in `verify` runs what the
+        run leaves), or None for anything else (then the first step is a plain verify). Sets last_forward_ms."""
+        if not inputs or not all(not inp.tree.token_ids and inp.num_decode_steps > 1 and inp.sampling.is_greedy
+                                 and not inp.return_features and inp.logprobs < 0
+                                 and not inp.sampling.has_penalties and inp.seq_id not in self._pending
+                                 for inp in inputs):
+            return None
+        ids = [inp.seq_id for inp in inputs]
+        seqs = [self._seqs.get(s) for s in ids]
+        if len(set(ids)) != len(ids) or any(seq is None for seq in seqs):
+            return None
+        # the versioning rule first (a rollback is what the plain verify would apply too)
+        if not all(self._sync(inp, seq) for inp, seq in zip(inputs, seqs)) or not self.runner.can_decode_continuously(ids):
+            return None
+        steps = min(min(inp.num_decode_steps for inp in inputs), min(self._room(seq) for seq in seqs))
+        if steps < 1 or len(inputs) * self._tokens_needed(steps) > self.runner.num_free_tokens():
+            return None  # the plain verify reports what does not fit, sequence by sequence
+        outputs = [StepOutput(inp.seq_id, num_steps=0) for inp in inputs]
+        start = time.perf_counter()
+        tokens = self.runner.greedy_decode_steps(ids, [seq.token_ids[-1] for seq in seqs], steps)
+        if not any(tokens):  # no graph replayed (nothing ran): the plain verify takes the call
+            return None
+        for out, seq, emitted in zip(outputs, seqs, tokens):
+            if emitted:
+                self._commit(out, seq, emitted)  # a cut (stop, length) finishes and frees the seq
+                out.num_steps = len(out.token_ids)
+        self.last_forward_ms = (time.perf_counter() - start) * 1e3
         return outputs
 
     def _pipelined_steps(self, more: list[tuple[VerifyInput, StepOutput]]) -> float:

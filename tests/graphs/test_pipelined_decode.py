@@ -95,9 +95,29 @@ def test_engine_continuous_decode_takes_the_pipelined_path_and_matches(llama, mo
     monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a: calls.append(a[2]) or real(self, *a))
     _, want = _run(_engine(llama, graphs=False), 8, 64)
     _, got = _run(_engine(llama, graphs=True), 8, 64)
-    assert calls == [7]  # the first step is the plain verify, the other 7 are pipelined
+    assert calls == [8]  # all 8 steps pipelined, the first one too: one readback per call
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.status == Status.OK and o.num_steps == 8 and len(o.token_ids) == 8 for o in got)
+
+
+def test_a_batch_that_cannot_pipeline_its_first_step_verifies_it_plainly(llama, monkeypatch):
+    """A sequence asking logprobs (they need the logits) keeps the whole batch's first step a plain verify; the
+    steps after it pipeline for the sequences that may, and the output is the eager engine's."""
+    calls = []
+    real = ModelRunner.greedy_decode_steps
+    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a: calls.append(a[2]) or real(self, *a))
+    outs = {}
+    for graphs in (False, True):
+        engine = _engine(llama, graphs)
+        stops = [StopRule(64, prompt_len=len(p)) for p in PROMPTS]
+        pre = engine.prefill([PrefillInput(f"s{i}", p, True, GREEDY, stops[i]) for i, p in enumerate(PROMPTS)])
+        committed = [[*p, *o.token_ids] for p, o in zip(PROMPTS, pre)]
+        outs[graphs] = engine.verify([VerifyInput(f"s{i}", len(c), c[-1], DraftTree([], []), GREEDY, stops[i],
+                                                  num_decode_steps=5, logprobs=1 if i == 0 else -1)
+                                      for i, c in enumerate(committed)])
+    assert calls == [4]  # s1's last 4 steps; the first step of both, and every step of s0, verified plainly
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert len(outs[True][0].logprobs) == 5
 
 
 def test_engine_pipelined_run_cuts_at_stop_and_length(llama):
