@@ -254,8 +254,8 @@ class TargetEngine:
             return 0.0
         steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
                     min(self._room(self._seqs[inp.seq_id]) for inp, _ in group))
-        if steps < 2:
-            return 0.0
+        if steps < 2 or len(group) * self._tokens_needed(steps) > self.runner.num_free_tokens():
+            return 0.0  # (short of KV: the sequential loop's verifies report it sequence by sequence)
         start = time.perf_counter()
         tokens = self.runner.greedy_decode_steps([inp.seq_id for inp, _ in group],
                                                  [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps)
