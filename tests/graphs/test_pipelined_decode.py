@@ -27,9 +27,9 @@ def llama(tmp_path_factory) -> str:
     return make_tiny_model("llama", tmp_path_factory.mktemp("pipelined"))
 
 
-def _runner(path: str, graphs: bool) -> ModelRunner:
+def _runner(path: str, graphs: bool, max_total_tokens: int = 2048) -> ModelRunner:
     runner = ModelRunner(path, EngineConfig(device="cpu", dtype="float32", attention_backend="triton", block_size=4,
-                                            max_total_tokens=2048, cuda_graph_max_bs=4))
+                                            max_total_tokens=max_total_tokens, cuda_graph_max_bs=4))
     if graphs:
         install_fake_graphs(runner, sizes=[1, 2, 4])
     return runner
@@ -127,3 +127,16 @@ def test_engine_pipelined_run_cuts_at_stop_and_length(llama):
     assert cut[1].finish_reason == FinishReason.STOP and cut[1].token_ids == free[1].token_ids[:4]
     _, short = _run(_engine(llama, graphs=True), 8, 5)  # 1 token from prefill, 4 more fit
     assert all(o.finish_reason == FinishReason.LENGTH and len(o.token_ids) == 4 for o in short)
+
+
+def test_continuous_decode_short_of_kv_reports_it_instead_of_failing_the_call(llama):
+    """Steps that would not fit the free KV are not pipelined: the plain verifies run until a sequence's step no
+    longer fits, which ends that sequence's run with what it emitted (the call itself succeeds)."""
+    engine = TargetEngine(_runner(llama, graphs=True, max_total_tokens=64))
+    stop = StopRule(200, prompt_len=len(PROMPTS[0]))
+    [pre] = engine.prefill([PrefillInput("s0", PROMPTS[0], True, GREEDY, stop)])
+    committed = [*PROMPTS[0], *pre.token_ids]
+    [out] = engine.verify([VerifyInput("s0", len(committed), committed[-1], DraftTree([], []), GREEDY, stop,
+                                       num_decode_steps=100)])
+    assert out.status == Status.OK and 0 < len(out.token_ids) < 100
+    assert len(committed) + len(out.token_ids) <= 64
