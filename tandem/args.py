@@ -92,8 +92,8 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                        help="after answering a Verify call, the target pod runs the call it expects next (the same "
                             "sequences from their new committed ends, verifying the trees it drafted itself with "
                             "--colocate-draft, or the same plain decode steps) while the answer travels and the gateway "
-                            "works on it; the next call that asks exactly that gets it at once, any other rolls it back "
-                            "(lossless either way). Greedy sequences without logprobs only. Off by default until "
+                            "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
+                            "rolls its run-ahead back (lossless either way). Greedy sequences without logprobs only. Off by default until "
                             "measured on a GPU (`bash bench/gpu_session.sh run_ahead`)")
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,

@@ -51,9 +51,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
         self.drafter = None  # a DraftServicer in this process (UNO, --colocate-draft): answers propose_next
         self.profiling: ProfilerServicer | None = None  # counts Verify calls as profile steps
-        # --enable-run-ahead: the next call's inputs as this pod expects them and the task running them
+        # --enable-run-ahead: the next call's inputs as this pod expects them (by sequence) and the task running them;
+        # hits and misses count sequences
         self.run_ahead = run_ahead
-        self._ahead: tuple[list[VerifyInput], asyncio.Future] | None = None
+        self._ahead: tuple[dict[str, VerifyInput], asyncio.Future] | None = None
         self.run_ahead_counts = {"hit": 0, "miss": 0}
 
     def _memory(self) -> pb.MemoryState:
@@ -66,6 +67,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         owner = caller(context)
         inputs, slots = convert.split(self._owned(convert.prefill_inputs(request, self.limits), owner))
         self.leases.claim([inp.seq_id for inp in inputs], owner)
+        self._forget_ahead([inp.seq_id for inp in inputs])
         prefilled = await self.worker.run(self.engine.prefill, inputs) if inputs else []
         if self.metrics is not None:
             self.metrics.observe_forward("Prefill", self.engine.last_forward_ms / 1e3, len(inputs))
@@ -93,11 +95,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         start = time.perf_counter()
         inputs, slots = convert.split(self._owned(convert.verify_inputs(request, self.limits), caller(context)))
         self.leases.touch([inp.seq_id for inp in inputs])
-        ran = await self._take_ahead(inputs)
-        if ran is None and inputs:
-            bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in inputs)
-            ran = await self.worker.run(self._steps, inputs, inline=bounded)
-        verified, forward_ms = ran or ([], 0.0)
+        ahead, forward_ms = await self._take_ahead(inputs)
+        rest = [inp for inp in inputs if inp.seq_id not in ahead]
+        if rest:
+            bounded = all(inp.num_decode_steps <= INLINE_MAX_DECODE_STEPS for inp in rest)
+            ran, ms = await self.worker.run(self._steps, rest, inline=bounded)
+            ahead.update((out.seq_id, out) for out in ran)
+            forward_ms += ms
+        verified = [ahead[inp.seq_id] for inp in inputs]
         self._start_ahead(inputs, verified)
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
@@ -140,7 +145,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return
         if self.drafter is not None and self.drafter.proposer.algorithm == "UNO":
             return  # UNO's verify consumes a clean root its self-draft left pending: not run ahead
-        nexts = []
+        nexts: list[VerifyInput] = []
         for inp, out in zip(inputs, outputs):
             if (out.status != Status.OK or out.finish_reason is not None or not out.token_ids
                     or not inp.sampling.is_greedy or inp.logprobs >= 0 or inp.return_features):
@@ -155,27 +160,37 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 tree = DraftTree([], [])
             nexts.append(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
                                              root_token_id=out.token_ids[-1], tree=tree))
-        self._ahead = (nexts, asyncio.ensure_future(self.worker.run(self._steps, nexts)))
+        self._ahead = ({inp.seq_id: inp for inp in nexts}, asyncio.ensure_future(self.worker.run(self._steps, nexts)))
 
-    async def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float] | None:
-        """The outputs of the run-ahead when it ran exactly these inputs (a hit), else None: a miss leaves its steps
-        in the sequences' state, and this call's own verify rolls the target back to the committed length it names
-        (and its draft with it) as after any rejected step. Waits for a run-ahead still running, with a deadline."""
+    async def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[dict[str, StepOutput], float]:
+        """The run-ahead's outputs of the sequences whose input here is exactly the one it ran (hits; with the
+        milliseconds of its verify forwards when there are any). A miss (another committed length, tree or step
+        count; a sequence it did not run) leaves the run-ahead's steps in that sequence's state, and this call's own
+        verify rolls the target back to the committed length it names (and its draft with it) as after any rejected
+        step. Waits for a run-ahead still running, with a deadline."""
         if self._ahead is None:
-            return None
+            return {}, 0.0
         expected, task = self._ahead
         self._ahead = None
         try:
-            ran = await asyncio.wait_for(asyncio.shield(task), RUN_AHEAD_WAIT_S)
+            ran, forward_ms = await asyncio.wait_for(asyncio.shield(task), RUN_AHEAD_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - a run-ahead that failed counts as a miss; the call runs itself
             logger.warning("run-ahead failed or timed out (%s: %s); verifying afresh", type(exc).__name__, exc)
-            ran = None
-        hit = ran is not None and inputs == expected
-        outcome = "hit" if hit else "miss"
-        self.run_ahead_counts[outcome] += 1
-        if self.metrics is not None:
-            self.metrics.run_ahead.labels(self.metrics.service, outcome).inc()
-        return ran if hit else None
+            ran, forward_ms = [], 0.0
+        outputs = {out.seq_id: out for out in ran if out.status == Status.OK}
+        hits = {inp.seq_id: outputs[inp.seq_id] for inp in inputs
+                if inp.seq_id in outputs and expected.get(inp.seq_id) == inp}
+        for outcome, count in (("hit", len(hits)), ("miss", len(expected) - len(hits))):
+            self.run_ahead_counts[outcome] += count
+            if self.metrics is not None and count:
+                self.metrics.run_ahead.labels(self.metrics.service, outcome).inc(count)
+        return hits, forward_ms if hits else 0.0
+
+    def _forget_ahead(self, seq_ids) -> None:
+        """A Prefill or Release of these sequences: the run-ahead's outputs of them no longer follow their state."""
+        if self._ahead is not None:
+            for seq_id in seq_ids:
+                self._ahead[0].pop(seq_id, None)
 
     async def _prefill_draft(self, inputs: list[PrefillInput], outputs: list[StepOutput], owner: str) -> None:
         """PrefillInput.prefill_draft: the draft in this process is prefilled with each sequence's committed tokens
@@ -272,6 +287,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         owner = caller(context)
         seq_ids = [s for s in request.seq_ids if self.leases.allows(s, owner)]  # another owner's: left alone
+        self._forget_ahead(seq_ids)
         released = await self.worker.run(self.engine.release, seq_ids, inline=True)
         self.leases.forget(seq_ids)
         return pb.ReleaseResponse(num_released=released, memory=self._memory())

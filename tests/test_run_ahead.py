@@ -1,7 +1,7 @@
 """--enable-run-ahead: after answering a Verify call the target pod runs the call it expects next (the same
 sequences from their new committed ends, verifying the trees its co-located draft just drafted, or the same plain
-decode steps) while the answer travels; the next call that asks exactly that gets the stored outputs, any other call
-rolls the run-ahead back as after a rejected step. Output is unchanged either way: greedy equals HF `generate`, with
+decode steps) while the answer travels; each sequence of the next call whose input is exactly that gets the stored
+outputs (a hit), any other rolls its run-ahead back as after a rejected step (a miss). Output is unchanged either way: greedy equals HF `generate`, with
 hits and misses both occurring, sampled and logprob requests (never run ahead) equal the plain stack's, and no KV
 is left behind."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ async def test_run_ahead_greedy_matches_hf_with_hits_and_misses(models, algorith
         await _assert_no_kv_leak(scheduler)
 
 
-async def test_a_miss_rolls_back_target_and_draft(models):
+async def test_a_miss_rolls_back_target_and_draft_and_hits_count_per_sequence(models):
     """A Verify other than the expected one (here: the same sequence one step behind, as a gateway that dropped a
     step's result would send) rolls the run-ahead back: the target and its co-located draft continue from the
     committed length the call names, and the sequence's output is still HF's."""
@@ -78,12 +78,25 @@ async def test_a_miss_rolls_back_target_and_draft(models):
         committed += again.token_ids
         # and the expected next call after it is a hit that continues HF's output
         nxt = VerifyInput("x", len(committed), committed[-1], again.proposal.tree, greedy, stop, propose_next=shape)
+        hits = servicer.run_ahead_counts["hit"]
         [out2] = await target.verify([nxt])
         committed += out2.token_ids
-        assert servicer.run_ahead_counts["hit"] >= 1
+        assert servicer.run_ahead_counts["hit"] == hits + 1
+        # a batch that gained a sequence: x's part of the run-ahead still serves it (hits count sequences)
+        other = prompts(hf.config.vocab_size)[1]
+        stop_y = StopRule(max_new_tokens=40, prompt_len=len(other))
+        [pre_y] = await target.prefill([PrefillInput("y", list(other), True, greedy, stop_y, True,
+                                                     prefill_draft=True, propose_next=shape)])
+        nxt = VerifyInput("x", len(committed), committed[-1], out2.proposal.tree, greedy, stop, propose_next=shape)
+        first_y = VerifyInput("y", len(other) + 1, pre_y.token_ids[-1], pre_y.proposal.tree, greedy, stop_y,
+                              propose_next=shape)
+        [out3, out_y] = await target.verify([nxt, first_y])
+        assert servicer.run_ahead_counts["hit"] == hits + 2
+        committed += out3.token_ids
         assert committed[len(prompt):] == want[:len(committed) - len(prompt)]
-        await target.release(["x"])  # after the run-ahead the last call started: one model call at a time
-        await scheduler.drafts.clients[0].release(["x"])  # the pod's DraftService (its co-located draft)
+        assert [*pre_y.token_ids, *out_y.token_ids] == hf_greedy(hf, other, 1 + len(out_y.token_ids))
+        await target.release(["x", "y"])  # after the run-ahead the last call started: one model call at a time
+        await scheduler.drafts.clients[0].release(["x", "y"])  # the pod's DraftService (its co-located draft)
         await _assert_no_kv_leak(scheduler)
 
 
