@@ -160,7 +160,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 tree = DraftTree([], [])
             nexts.append(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
                                              root_token_id=out.token_ids[-1], tree=tree))
-        self._ahead = ({inp.seq_id: inp for inp in nexts}, asyncio.ensure_future(self.worker.run(self._steps, nexts)))
+        task = asyncio.ensure_future(self.worker.run(self._steps, nexts))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure no call takes is not an error
+        self._ahead = ({inp.seq_id: inp for inp in nexts}, task)
 
     async def _take_ahead(self, inputs: list[VerifyInput]) -> tuple[dict[str, StepOutput], float]:
         """The run-ahead's outputs of the sequences whose input here is exactly the one it ran (hits; with the
