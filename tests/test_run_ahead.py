@@ -133,3 +133,28 @@ def test_serve_passes_run_ahead_to_every_target_process():
     assert not any("--enable-run-ahead" in cmd for cmd in targets())
     child = build_parser().parse_args(targets("--enable-run-ahead")[0][3:])
     assert child.enable_run_ahead
+
+
+async def test_a_run_ahead_that_fails_halfway_is_a_miss_and_the_output_is_unchanged(models):
+    """The run-ahead fails after its verify advanced the target but before its draft drafted (an error on the
+    worker thread): the next call counts a miss, rolls the target back and runs itself; the output is HF's."""
+    import threading
+
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, run_ahead=True) as scheduler:
+        servicer = scheduler.test_servers[0].servicer
+        propose_next, failed = servicer._propose_next, []
+
+        def flaky(inputs, outputs):
+            if threading.current_thread() is not threading.main_thread() and not failed:  # the run-ahead's
+                failed.append(True)
+                raise RuntimeError("injected run-ahead failure")
+            return propose_next(inputs, outputs)
+
+        servicer._propose_next = flaky
+        prompt = prompts(hf.config.vocab_size)[2]
+        got, _, _ = await generate_ids(scheduler, prompt, 30, request_id="f")
+        assert failed and got == hf_greedy(hf, prompt, 30)
+        assert servicer.run_ahead_counts["miss"] >= 1 and servicer.run_ahead_counts["hit"] > 0
+        await _assert_no_kv_leak(scheduler)
