@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 
 import torch
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 INLINE_MAX_DECODE_STEPS = 16
 # How long a Verify waits for the run-ahead before it (the call then queues behind it on the ModelWorker anyway).
 RUN_AHEAD_WAIT_S = 60.0
+RUN_AHEAD_SWITCH_INTERVAL_S = 0.0005
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
@@ -56,6 +58,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.run_ahead = run_ahead
         self._ahead: tuple[dict[str, VerifyInput], asyncio.Future] | None = None
         self.run_ahead_counts = {"hit": 0, "miss": 0}
+        if run_ahead:
+            # The run-ahead's host work (Python) holds the GIL on the worker thread while the event loop sends the
+            # answer and takes the next call; the loop gets it back within the switch interval (5 ms by default:
+            # longer than a small model's whole step).
+            sys.setswitchinterval(min(sys.getswitchinterval(), RUN_AHEAD_SWITCH_INTERVAL_S))
 
     def _memory(self) -> pb.MemoryState:
         runner = self.engine.runner
