@@ -386,3 +386,30 @@ def test_a_verify_that_does_not_build_on_the_draft_pass_rolls_its_root_kv_back(u
     engine.self_draft([("s", len(committed), 4)])
     engine.release(["s"])
     assert runner.num_free_tokens() == runner.num_total_tokens() and not engine._pending
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 4), (3, 3, 7)], ids=["linear-4", "tree"])
+async def test_uno_runs_several_speculative_steps_per_call_as_served(uno_pair, steps, topk, ndt):
+    """`tandem serve` runs 4 speculative steps per Verify call where the target drafts (UNO's pods): each call
+    verifies, self-drafts the next tree and verifies again; greedy output equals HF and the calls are about a
+    quarter of the steps."""
+    target, lora, hf = uno_pair
+    gen = torch.Generator().manual_seed(9)
+    rand = torch.randint(3, hf.config.vocab_size, (40,), generator=gen).tolist()
+    async with local_stack(target, algorithm="UNO", lora_path=lora, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt, num_continuous_decode_steps=4) as scheduler:
+        servicer, calls = scheduler.test_servers[0].servicer, [0]
+        steps_of = servicer._steps
+
+        def counted(inputs):
+            calls[0] += 1
+            return steps_of(inputs)
+
+        servicer._steps = counted
+        verify_steps = 0
+        for i, prompt in enumerate([rand[:5], rand[:23], rand[:6] * 4]):
+            got, usage, _ = await generate_ids(scheduler, prompt, 30, request_id=f"k{i}")
+            assert got == hf_greedy(hf, prompt, 30)
+            verify_steps += usage.verify_steps
+        assert calls[0] <= verify_steps / 4 + 3, (calls[0], verify_steps)
+        assert scheduler.test_engine.num_seqs == 0 and not scheduler.test_engine._pending
