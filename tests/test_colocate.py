@@ -125,7 +125,8 @@ async def _run(scheduler, prompt, max_new, request_id, **sampling):
     return tokens, logprobs, usage
 
 
-@pytest.mark.parametrize("algorithm,steps,topk,ndt", [("EAGLE3", 3, 2, 6), ("STANDALONE", 3, 1, 4)])
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", [("EAGLE3", 3, 2, 6), ("STANDALONE", 3, 1, 4), ("DFLASH", 1, 1, 4),
+                                                     ("NGRAM", 0, 1, 6)])
 async def test_continuous_speculative_steps_in_the_target_pod(models, algorithm, steps, topk, ndt):
     """--num-continuous-decode-steps 3 with the draft in the target's process: one Verify call runs up to three
     speculative steps (verify, draft, verify, ...). Tokens and logprobs equal one step per call's, greedy equals HF,
