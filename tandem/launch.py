@@ -306,8 +306,14 @@ def _summary(args: argparse.Namespace, names: list[str]) -> str:
     if entry.drafts:
         spec += (f" {args.speculative_num_steps}/{args.speculative_eagle_topk}/{args.speculative_num_draft_tokens}"
                  if entry.shape_rule is ShapeRule.BEAM else f" ({args.speculative_num_draft_tokens} draft tokens)")
-    if colocates_draft(args):
-        spec += ", the draft in the target's process (--no-colocate-draft: a draft process)"
+    if colocates_draft(args) or (entry.drafts and entry.drafts_on_target):
+        from tandem.services import speculative_steps_per_call
+
+        where = "the draft in the target's process (--no-colocate-draft: a draft process)" if colocates_draft(args) \
+            else "the target drafts"
+        spec += f", {where}, {speculative_steps_per_call(args)} speculative steps per call"
+    if getattr(args, "enable_run_ahead", False):
+        spec += ", run-ahead"
     return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
             f"device {args.device})")
 
