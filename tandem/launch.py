@@ -282,7 +282,8 @@ def ports_in_use(args: argparse.Namespace) -> list[str]:
         wanted += [(flag, "127.0.0.1", first + i) for i in range(count) if first]
     if args.metrics_port:
         num_services = args.num_target_replicas + _num_drafts(args)
-        wanted += [("--metrics-port", args.metrics_host, args.metrics_port + i) for i in range(num_services)]
+        host = args.metrics_host or "127.0.0.1"  # the services' own host by default, which serve's children bind
+        wanted += [("--metrics-port", host, args.metrics_port + i) for i in range(num_services)]
     taken = []
     for flag, host, port in wanted:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

@@ -204,3 +204,18 @@ def test_a_taken_port_is_reported_before_anything_starts():
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "port in use, nothing started: --port" in done.stderr
     assert "starting" not in done.stdout
+
+
+def test_a_taken_metrics_port_is_reported_and_a_free_one_passes():
+    """--metrics-port without --metrics-host: the services bind it on their own host (127.0.0.1 under serve), which
+    the start-up check probes (it crashed on the unset host before)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert ports_in_use(_prepare("--metrics-port", str(port))) == [
+            f"--metrics-port 127.0.0.1:{port} (Address already in use)"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert ports_in_use(_prepare("--metrics-port", str(free))) == []
