@@ -93,7 +93,7 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "sequences from their new committed ends, verifying the trees it drafted itself with "
                             "--colocate-draft, or the same plain decode steps) while the answer travels and the gateway "
                             "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
-                            "rolls its run-ahead back (lossless either way). Greedy sequences without logprobs only. Off by default until "
+                            "rolls its run-ahead back (lossless either way). Greedy sequences only. Off by default until "
                             "measured on a GPU (`bash bench/gpu_session.sh run_ahead`)")
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,

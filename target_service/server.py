@@ -145,8 +145,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def _start_ahead(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """While this call's answer travels and the gateway works on it, run the call that will most likely come
         next: the same sequences, each from its new committed end, verifying the tree this pod just drafted (or the
-        same plain decode steps). Only where that call is known exactly: greedy sequences, no logprobs or features
-        on the wire, every output running, every step either a plain decode or a tree drafted here. It runs on the
+        same plain decode steps). Only where that call is known exactly and its outcome does not depend on when it
+        runs: greedy sequences (a sampled token drawn early would use the sampler's randomness out of turn; logprobs
+        and features are what the call itself would compute), every output running, every step either a plain
+        decode or a tree drafted here. It runs on the
         worker thread, so the event loop stays free to send this answer and take the next call."""
         if not self.run_ahead or not inputs or self._ahead is not None:
             return
@@ -154,8 +156,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             return  # UNO's verify consumes a clean root its self-draft left pending: not run ahead
         nexts: list[VerifyInput] = []
         for inp, out in zip(inputs, outputs):
-            if (out.status != Status.OK or out.finish_reason is not None or not out.token_ids
-                    or not inp.sampling.is_greedy or inp.logprobs >= 0 or inp.return_features):
+            if out.status != Status.OK or out.finish_reason is not None or not out.token_ids or not inp.sampling.is_greedy:
                 return
             if inp.propose_next is not None:
                 if out.proposal is None or out.proposal.status != Status.OK or not out.proposal.tree.token_ids:

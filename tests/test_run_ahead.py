@@ -1,9 +1,9 @@
 """--enable-run-ahead: after answering a Verify call the target pod runs the call it expects next (the same
 sequences from their new committed ends, verifying the trees its co-located draft just drafted, or the same plain
 decode steps) while the answer travels; each sequence of the next call whose input is exactly that gets the stored
-outputs (a hit), any other rolls its run-ahead back as after a rejected step (a miss). Output is unchanged either way: greedy equals HF `generate`, with
-hits and misses both occurring, sampled and logprob requests (never run ahead) equal the plain stack's, and no KV
-is left behind."""
+outputs (a hit), any other rolls its run-ahead back as after a rejected step (a miss). Output is unchanged either
+way: greedy equals HF `generate` with hits and misses both occurring, sampled requests (never run ahead) and greedy
+ones with logprobs equal the stack's without run-ahead, and no KV is left behind."""
 from __future__ import annotations
 
 import asyncio
@@ -100,9 +100,12 @@ async def test_a_miss_rolls_back_target_and_draft_and_hits_count_per_sequence(mo
         await _assert_no_kv_leak(scheduler)
 
 
-async def test_sampled_and_logprob_requests_are_never_run_ahead(models):
-    """Sampled requests (their draws must stay where plain decoding makes them) and requests with logprobs are not
-    run ahead; seeded sampled output equals the stack's without run-ahead."""
+async def test_sampled_requests_never_run_ahead_and_logprob_requests_do_with_the_same_logprobs(models):
+    """Sampled requests are not run ahead (their draws must stay where plain decoding makes them): seeded sampled
+    output equals the stack's without run-ahead. Greedy requests with logprobs are, and their tokens and logprobs
+    equal the stack's without run-ahead (the run-ahead computes what the call itself would)."""
+    from tests.test_colocate import _run
+
     path, _, hf = models
     runs = {}
     for run_ahead in (False, True):
@@ -112,10 +115,16 @@ async def test_sampled_and_logprob_requests_are_never_run_ahead(models):
             cases = prompts(hf.config.vocab_size)[:2]
             sampled = await asyncio.gather(*(generate_ids(scheduler, p, 16, request_id=f"s{i}", temperature=0.8,
                                                           seed=5 + i) for i, p in enumerate(cases)))
-            runs[run_ahead] = [tokens for tokens, _, _ in sampled]
             assert servicer.run_ahead_counts == {"hit": 0, "miss": 0}
+            with_logprobs = [await _run(scheduler, p, 20, f"l{i}", temperature=0.0) for i, p in enumerate(cases)]
+            assert not run_ahead or servicer.run_ahead_counts["hit"] > 0
+            runs[run_ahead] = [tokens for tokens, _, _ in sampled], with_logprobs
             await _assert_no_kv_leak(scheduler)
-    assert runs[True] == runs[False]
+    assert runs[True][0] == runs[False][0]
+    for (tokens, logprobs, _), (want_tokens, want_logprobs, _) in zip(runs[True][1], runs[False][1]):
+        assert tokens == want_tokens and len(logprobs) == len(tokens)
+        assert [lp for lp, _, _ in logprobs] == pytest.approx([lp for lp, _, _ in want_logprobs], abs=1e-5)
+        assert [top for _, top, _ in logprobs] == [top for _, top, _ in want_logprobs]
 
 
 def test_serve_passes_run_ahead_to_every_target_process():
