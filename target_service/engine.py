@@ -209,52 +209,45 @@ class TargetEngine:
         return outputs
 
     def _decode_pipelined(self, inputs: list[VerifyInput]) -> list[StepOutput] | None:
-        """A batch of plain greedy decodes asking several steps (no trees, logprobs, features or penalties; graphs
-        that can replay them): all its steps as one pipelined run (ModelRunner.greedy_decode_steps), the first step
-        too, so a call makes one readback instead of two. The outputs (the sequential loop in `verify` runs what the
-        run leaves), or None for anything else (then the first step is a plain verify). Sets last_forward_ms."""
-        if not inputs or not all(not inp.tree.token_ids and inp.num_decode_steps > 1 and inp.sampling.is_greedy
-                                 and not inp.return_features and inp.logprobs < 0
-                                 and not inp.sampling.has_penalties and inp.seq_id not in self._pending
-                                 for inp in inputs):
+        """A batch of plain greedy decodes asking several steps, every one of them pipelinable: all its steps as one
+        pipelined run (`_pipelined_steps`), the first step too, so a call makes one readback instead of two. The
+        outputs (the sequential loop in `verify` runs what the run leaves), or None for anything else (then the
+        first step is a plain verify). Sets last_forward_ms."""
+        if not inputs or not all(not inp.tree.token_ids and inp.num_decode_steps > 1 and self._pipelinable(inp)
+                                 and inp.seq_id not in self._pending for inp in inputs):
             return None
-        ids = [inp.seq_id for inp in inputs]
-        seqs = [self._seqs.get(s) for s in ids]
-        if len(set(ids)) != len(ids) or any(seq is None for seq in seqs):
-            return None
+        seqs = [self._seqs.get(inp.seq_id) for inp in inputs]
         # the versioning rule first (a rollback is what the plain verify would apply too)
-        if not all(self._sync(inp, seq) for inp, seq in zip(inputs, seqs)) or not self.runner.can_decode_continuously(ids):
+        if any(seq is None for seq in seqs) or not all(self._sync(inp, seq) for inp, seq in zip(inputs, seqs)):
             return None
-        steps = min(min(inp.num_decode_steps for inp in inputs), min(self._room(seq) for seq in seqs))
-        if steps < 1 or len(inputs) * self._tokens_needed(steps) > self.runner.num_free_tokens():
-            return None  # the plain verify reports what does not fit, sequence by sequence
-        outputs = [StepOutput(inp.seq_id, num_steps=0) for inp in inputs]
-        start = time.perf_counter()
-        tokens = self.runner.greedy_decode_steps(ids, [seq.token_ids[-1] for seq in seqs], steps)
-        if not any(tokens):  # no graph replayed (nothing ran): the plain verify takes the call
+        more = [(inp, StepOutput(inp.seq_id, num_steps=0)) for inp in inputs]
+        self.last_forward_ms = self._pipelined_steps(more, min_steps=1)
+        if not any(out.num_steps for _, out in more):  # nothing ran (no graph, short of KV): the plain verify
             return None
-        for out, seq, emitted in zip(outputs, seqs, tokens):
-            if emitted:
-                self._commit(out, seq, emitted)  # a cut (stop, length) finishes and frees the seq
-                out.num_steps = len(out.token_ids)
-        self.last_forward_ms = (time.perf_counter() - start) * 1e3
-        return outputs
+        return [out for _, out in more]
 
-    def _pipelined_steps(self, more: list[tuple[VerifyInput, StepOutput]]) -> float:
+    @staticmethod
+    def _pipelinable(inp: VerifyInput) -> bool:
+        """A decode ModelRunner.greedy_decode_steps can run: greedy, without logprobs, features or penalties (they
+        need the logits)."""
+        return (inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
+                and not inp.sampling.has_penalties)
+
+    def _pipelined_steps(self, more: list[tuple[VerifyInput, StepOutput]], min_steps: int = 2) -> float:
         """Continuous decode of greedy sequences on CUDA graphs with the token fed on the device
         (ModelRunner.greedy_decode_steps): as many steps as every such sequence still wants and may emit, host work
-        overlapped with the GPU and one readback; the sequential loop in `verify` does whatever is left. Returns the
-        milliseconds spent."""
+        overlapped with the GPU and one readback; the sequential loop in `verify` does whatever is left (also a run
+        of fewer than min_steps, or one the free KV would not hold). An output with no step yet (num_steps 0) starts
+        from its committed end. Returns the milliseconds spent."""
         if not more:
             return 0.0
         group = [(inp, out) for inp, out in more if out.status == Status.OK and out.finish_reason is None
-                 and out.token_ids and inp.sampling.is_greedy and not inp.return_features and inp.logprobs < 0
-                 and not inp.sampling.has_penalties and inp.seq_id in self._seqs]
+                 and (out.token_ids or out.num_steps == 0) and self._pipelinable(inp) and inp.seq_id in self._seqs]
         if not group or not self.runner.can_decode_continuously([inp.seq_id for inp, _ in group]):
             return 0.0
         steps = min(min(inp.num_decode_steps - out.num_steps for inp, out in group),
                     min(self._room(self._seqs[inp.seq_id]) for inp, _ in group))
-        if steps < 2 or len(group) * self._tokens_needed(steps) > self.runner.num_free_tokens():
+        if steps < min_steps or len(group) * self._tokens_needed(steps) > self.runner.num_free_tokens():
             return 0.0  # (short of KV: the sequential loop's verifies report it sequence by sequence)
         start = time.perf_counter()
         tokens = self.runner.greedy_decode_steps([inp.seq_id for inp, _ in group],

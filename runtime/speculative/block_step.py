@@ -140,12 +140,8 @@ class StaticBlockDraftStep(StaticStep):
             packed[i, :4 + n + len(inject)] = [item.last_token, item.position, item.context_len, item.inject_start,
                                                *item.block_slots, *inject]
             self.put_table(packed[i], item.block_table)
-        rows = [(i, item.features) for i, item in enumerate(items) if item.features is not None and item.inject_slots]
-        if rows:  # one block of feature rows where they are (the wire's on the host), one copy
-            src = rows[0][1].device
-            feats = torch.zeros(bs, n, self.features.shape[2], dtype=self.features.dtype, device=src)
-            for i, row in rows:
-                feats[i, :row.shape[0]] = row.to(src, self.features.dtype)
-            pinned = src.type == "cpu" and self.features.device.type == "cuda"
-            self.features[:bs].copy_(feats.pin_memory() if pinned else feats, non_blocking=pinned)
+        rows = [(i, 0, item.features) for i, item in enumerate(items)
+                if item.features is not None and item.inject_slots]
+        if rows:  # the context rows to inject, one copy
+            self.put_rows(self.features[:bs], rows)
         return self.read_back(self.execute(host)[:len(items)]).tolist()

@@ -198,14 +198,9 @@ class StaticDraftStep(StaticStep):
             rows[i, :3 * q + 2] = ([0] * pad + item.token_ids + [0] * pad + list(range(start, start + n)) + [-1] * pad
                                    + item.slots + [start, start + n])
             self.put_table(rows[i], item.block_table)
-        if self.feature_head:  # one block of features (where the rows are: the wire's on the host), one copy
-            src = items[0].features.device
-            feats = torch.zeros(bs, q, self.features.shape[1], dtype=self.features.dtype, device=src)
-            for i, item in enumerate(items):
-                feats[i, q - len(item.token_ids):] = item.features.to(src, self.features.dtype)
-            pinned = src.type == "cpu" and self.features.device.type == "cuda"
-            self.features[:bs * q].copy_((feats.pin_memory() if pinned else feats).view(bs * q, -1),
-                                         non_blocking=pinned)
+        if self.feature_head:  # each catch-up's rows right-aligned in its window, one copy
+            self.put_rows(self.features[:bs * q].view(bs, q, -1),
+                          [(i, q - len(item.token_ids), item.features) for i, item in enumerate(items)])
             self._put_own(items, bs)
         rows = self.read_back(self.execute(host)[:num]).tolist()  # the one device->host copy of a Propose
         m = self.shape.num_draft_tokens - 1

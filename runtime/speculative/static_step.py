@@ -141,6 +141,17 @@ class StaticStep:
         """A block table into a packed row (a row of `new_host_rows(...).numpy()`)."""
         row[self.table_col:self.table_col + len(block_table)] = block_table
 
+    @staticmethod
+    def put_rows(dst: torch.Tensor, placed: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Feature rows into a (bs, n, F) static input buffer with one copy: each (sequence, first row, rows) goes
+        into a block built where the rows are (the wire's on the host: one pinned copy), the rest zero (finite)."""
+        src = placed[0][2].device
+        block = torch.zeros(dst.shape, dtype=dst.dtype, device=src)
+        for i, first, rows in placed:
+            block[i, first:first + rows.shape[0]] = rows.to(src, dst.dtype)
+        pinned = src.type == "cpu" and dst.device.type == "cuda"
+        dst.copy_(block.pin_memory() if pinned else block, non_blocking=pinned)
+
     def execute(self, host: torch.Tensor) -> torch.Tensor:
         """One host->device copy of the packed inputs (as many table columns as the host rows hold), then the
         bucket's graph (or the device code, eager)."""

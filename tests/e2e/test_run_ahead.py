@@ -12,13 +12,14 @@ import torch
 import transformers
 
 from tandem.args import DEFAULT_MODEL
-from tests.e2e.test_serve import Stack, _free_port
+from tests.e2e.helpers import free_port
+from tests.e2e.test_serve import Stack
 
 pytestmark = pytest.mark.slow
 
 
 def test_run_ahead_through_the_real_processes_is_lossless_and_hits():
-    metrics = _free_port()
+    metrics = free_port()
     stack = Stack("--speculative-algorithm", "EAGLE3", "--device", "cpu", "--enable-run-ahead",
                   "--metrics-port", str(metrics))
     try:
