@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: run_ahead defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -168,6 +168,19 @@ for s in $STAGES; do
           -- --cuda-graph-max-bs 4 $extra > "$R/serve_decode_$c.log" 2>&1
         cat "$R/serve_decode_$c/results.md" 2>/dev/null || tail -5 "$R/serve_decode_$c.log"
       done ;;
+    run_ahead8b)  # the A/B that decides --enable-run-ahead for plain decoding: 8B AR through the services off / on,
+      # then the demo path (AR and STANDALONE, each off / on) at batch 1
+      for c in off ahead; do
+        extra=""; [ $c = ahead ] && extra="--enable-run-ahead"
+        timeout 110 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --out-dir "$R/serve_decode_$c" \
+          -- --cuda-graph-max-bs 4 $extra > "$R/serve_decode_$c.log" 2>&1
+        grep -E "ready in" "$R/serve_decode_$c.log" | tail -1
+        cat "$R/serve_decode_$c/results.md" 2>/dev/null || tail -5 "$R/serve_decode_$c.log"
+      done
+      timeout 260 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR AR-ahead STANDALONE-chain \
+        STANDALONE-chain-ahead AR-ahead AR --out "$R/accept_ahead2.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_ahead2.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_ahead2.log" | tail -12 ;;
     colocate_k8b)  # the same at 8B shapes (SYNTHETIC) through the services, k = 2 and 4 (k = 1: colocate8b)
       for k in 2 4; do
         timeout 110 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
