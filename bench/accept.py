@@ -90,6 +90,12 @@ CONFIGS.update({f"{name}-compile": [*CONFIGS[name], "--enable-torch-compile", "-
 CONFIGS.update({f"{name}-ahead": [*CONFIGS[name], "--enable-run-ahead"]
                 for name in ("AR", "EAGLE3-tree", "EAGLE3-tree-k4", "EAGLE3-auto", "STANDALONE-chain",
                              "STANDALONE-chain-k4")})
+# A call's speculative steps after its first one step by step instead of chained on the device
+# (--disable-chained-speculative-steps; A/B), and longer chained calls (8 / 16 speculative steps per call)
+CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-continuous-decode-steps", str(k)]
+                for name in ("EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain") for k in (8, 16)})
+CONFIGS.update({f"{name}-unchained": [*CONFIGS[name], "--disable-chained-speculative-steps"]
+                for name in ("EAGLE3-tree", "EAGLE3-auto", "EAGLE3-chain", "STANDALONE-chain", "EAGLE3-tree-k8")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

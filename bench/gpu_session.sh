@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: chained run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -168,6 +168,15 @@ for s in $STAGES; do
           -- --cuda-graph-max-bs 4 $extra > "$R/serve_decode_$c.log" 2>&1
         cat "$R/serve_decode_$c/results.md" 2>/dev/null || tail -5 "$R/serve_decode_$c.log"
       done ;;
+    chained)  # speculative steps chained on the device (default) vs step by step (--disable-chained-speculative-steps):
+      # GPU lossless of the chained path and the static steps first, then the demo path at batch 1
+      timeout -s INT 200 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py -k chained \
+        tests/gpu/test_draft_step_gpu.py > "$R/chained_tests.log" 2>&1
+      grep -E "chained|passed|failed|FAILED|Error" "$R/chained_tests.log" | tail -8
+      timeout 380 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-unchained STANDALONE-chain STANDALONE-chain-unchained EAGLE3-tree-k8 EAGLE3-auto NGRAM-auto \
+        --out "$R/accept_chained.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_chained.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| |Error|error" "$R/accept_chained.log" | tail -14 ;;
     run_ahead8b)  # the A/B that decides --enable-run-ahead for plain decoding: 8B AR through the services off / on,
       # then the demo path (AR and STANDALONE, each off / on) at batch 1
       for c in off ahead; do

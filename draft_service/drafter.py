@@ -13,6 +13,7 @@ from collections import defaultdict
 from core.steps import ProposeInput, SpecShape
 from core.types import DraftTree
 from draft_service.proposer import Proposer
+from runtime.kv_cache import OutOfKVBlocks
 from runtime.speculative.draft_step import CatchUp
 
 
@@ -76,6 +77,57 @@ class ModelDrafter(Proposer):
             self._caught_up(inp)
         return {inp.seq_id: tree for (inp, _, _), tree in zip(plans, trees)}
 
+    # ---- chained speculative steps (runtime/speculative/fused_step.py) ----------------------------------------------
+    chainable: bool = False  # subclasses whose state after a static Propose chain_commit can rebuild
+
+    def chain_step(self, spec: SpecShape):
+        """The static draft step a chained run of this shape drafts with (a plain StaticDraftStep), or None."""
+        from runtime.speculative.draft_step import StaticDraftStep
+
+        step = self._static_steps.get(spec)
+        return step if self.chainable and type(step) is StaticDraftStep else None
+
+    def chain_reserve(self, seqs: list[tuple[str, int]], spec: SpecShape, num_steps: int,
+                      max_accept: int) -> list[tuple[int, list[int]]] | None:
+        """seqs: (seq_id, committed length). For a chained run of num_steps steps: every sequence exactly as a
+        static Propose of its last tree left it (its tokens, KV end, no pre-drafted rows), room for the run; reserves
+        the worst case's draft KV (every step's catch-up as long as it can be, the tree nodes after), all or nothing.
+        Returns each sequence's (catch-up start, block table), or None: nothing changed."""
+        step = self.chain_step(spec)
+        if step is None:
+            return None
+        scratch = spec.num_steps * spec.topk
+        totals = {}
+        for seq_id, committed_len in seqs:
+            tokens = self._tokens.get(seq_id)
+            start = committed_len - self.kv_lag
+            if (tokens is None or len(tokens) != committed_len or not self.runner.has_seq(seq_id)
+                    or self.runner.kv_len(seq_id) != start or not self._chain_ready(seq_id)):
+                return None
+            total = start + num_steps * max_accept + scratch
+            if total + self.kv_lag >= self.runner.model_config.max_position_embeddings \
+                    or self.runner.block_manager.blocks_for(total) > step.max_blocks:
+                return None
+            totals[seq_id] = total
+        try:
+            self.runner.reserve(totals)
+        except OutOfKVBlocks:
+            return None
+        return [(self.runner.kv_len(seq_id), self.runner.block_manager.block_table(seq_id)) for seq_id, _ in seqs]
+
+    def chain_commit(self, seq_id: str, new_tokens: list[int], last_feature) -> None:
+        """After a chained run: the sequence's committed tokens grew by new_tokens (every step's, caught up by the
+        draft's last catch-up); last_feature: the target feature of the last kept row (feature heads)."""
+        tokens = self._tokens[seq_id]
+        tokens.extend(new_tokens)
+        self.runner.written(seq_id, len(tokens) - self.kv_lag)
+        self._chain_committed(seq_id, last_feature)
+
+    def chain_abort(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            if self.runner.has_seq(seq_id):
+                self.runner.written(seq_id, self.runner.kv_len(seq_id))
+
     # ---- hooks -----------------------------------------------------------------------------------------------------
     def _static_allowed(self, inputs: list[ProposeInput]) -> bool:
         """Whether this batch may take the static step at all (e.g. not when a chain must be sampled)."""
@@ -96,6 +148,13 @@ class ModelDrafter(Proposer):
 
     def _caught_up(self, inp: ProposeInput) -> None:
         """After a static catch-up wrote this sequence's committed KV."""
+
+    def _chain_ready(self, seq_id: str) -> bool:
+        """Whether this sequence's state lets a chained run start (e.g. no pre-drafted rows)."""
+        return True
+
+    def _chain_committed(self, seq_id: str, last_feature) -> None:
+        """After chain_commit: what a static Propose's `_caught_up` leaves (feature tails, prefix cache)."""
 
     @abc.abstractmethod
     def _fits(self, inp: ProposeInput) -> bool:

@@ -165,6 +165,17 @@ class EagleProposer(ModelDrafter):
     def _caught_up(self, inp: ProposeInput) -> None:
         self._keep_feature_tail(inp)
 
+    chainable = True
+
+    def _chain_ready(self, seq_id: str) -> bool:
+        # pre-drafted rows (own hiddens) and multi-layer windows are not chained
+        return not self._own.get(seq_id) and not self.multi_layer_steps
+
+    def _chain_committed(self, seq_id: str, last_feature) -> None:
+        """The feature tail a static Propose keeps: f_{C-2}, the last kept row of the last verify."""
+        self._feats[seq_id] = last_feature.reshape(1, -1)
+        self._feat_start[seq_id] = len(self._tokens[seq_id]) - 2
+
     # ---- pre-drafts (overlapped drafting) -------------------------------------------------------------------------
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """Pre-drafts: the committed tokens are caught up as usual; then the head runs over each sequence's guessed

@@ -40,6 +40,11 @@ class StandaloneProposer(ModelDrafter):
         # Full blocks of committed tokens become reusable (no-op without the prefix cache).
         self.runner.cache_prefix(inp.seq_id, self._tokens[inp.seq_id])
 
+    chainable = True
+
+    def _chain_committed(self, seq_id: str, last_feature) -> None:
+        self.runner.cache_prefix(seq_id, self._tokens[seq_id])
+
     def _guess_next(self, inputs: list[ProposeInput]) -> dict[str, int]:
         """Argmax of the draft after the guessed tail: its guess of the target's bonus token."""
         active = [inp for inp in inputs if self._fits(inp, extra=1)]

@@ -95,6 +95,13 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
                             "rolls its run-ahead back (lossless either way). Greedy sequences only. Off by default until "
                             "measured on a GPU (`bash bench/gpu_session.sh run_ahead`)")
+    if tp:
+        g.add_argument("--disable-chained-speculative-steps", action="store_true",
+                       help="with the draft in the target's process and several speculative steps per call, run the "
+                            "steps after a call's first one step by step (a device->host readback after every verify "
+                            "and every draft) instead of chained on the device (the static verify and draft steps "
+                            "joined by two small CUDA graphs, one readback for all the steps): the A/B switch; same "
+                            "output either way")
     if launcher:
         g.add_argument("--draft-base-gpu-id", type=int, default=None,
                        help="GPU of the draft service (cuda:N), e.g. one the target does not use (default: --device)")

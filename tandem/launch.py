@@ -135,7 +135,9 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                                "--service-port", str(port), *_service_ops_flags(args, i), *_target_placement(args, i),
                                "--max-verify-tree-nodes", str(args.max_verify_tree_nodes),
                                *(["--colocate-draft"] if colocates_draft(args) else []),
-                               *(["--enable-run-ahead"] if getattr(args, "enable_run_ahead", False) else [])]
+                               *(["--enable-run-ahead"] if getattr(args, "enable_run_ahead", False) else []),
+                               *(["--disable-chained-speculative-steps"]
+                                 if getattr(args, "disable_chained_speculative_steps", False) else [])]
         target_addrs.append(f"{host}:{port}")
     entry = algorithms.get(args.speculative_algorithm)
     if entry.drafts_on_target or colocates_draft(args):  # UNO, --colocate-draft: every target pod also serves

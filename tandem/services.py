@@ -181,7 +181,8 @@ async def run_target(args: argparse.Namespace) -> None:
                                       credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
                                       service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl,
                                       proposer=proposer, profiler=_profiler(args, "target", runner.device),
-                                      run_ahead=getattr(args, "enable_run_ahead", False))
+                                      run_ahead=getattr(args, "enable_run_ahead", False),
+                                      chain_steps=not getattr(args, "disable_chained_speculative_steps", False))
     role = f", drafting {proposer.algorithm}" if proposer is not None else ""
     print(f"tandem target{role} ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")
           + f" in {time.monotonic() - started:.1f} s: {_runner_summary(runner)}", flush=True)

@@ -464,6 +464,62 @@ class TargetEngine:
                 out.features = res.features[: len(out.token_ids)]
         return True
 
+    # ---------------------------------------------------------------- chained speculative steps
+    def chain_reserve(self, inputs: list[VerifyInput], num_steps: int, max_accept: int) -> list[tuple[int, list[int]]] | None:
+        """For runtime/speculative/fused_step.py: num_steps greedy steps of these sequences chained on the device, each
+        verifying a tree of the static verify step's width and emitting at most max_accept tokens. Checks every
+        sequence (known, at the committed length named, greedy without logprobs or penalties, room for the run
+        below its context end) and reserves the worst case's KV, all or nothing. Returns each sequence's (verify
+        region start, block table), or None: nothing changed, run the steps one by one."""
+        step = self._static_verify
+        if step is None or not self._fast_greedy(inputs):
+            return None
+        bm = self.runner.block_manager
+        totals = {}
+        for inp in inputs:
+            seq = self._seqs.get(inp.seq_id)
+            if (seq is None or inp.seq_id in self._pending or inp.committed_len != len(seq.token_ids)
+                    or seq.token_ids[-1] != inp.root_token_id or len(inp.tree.token_ids) != step.width - 1):
+                return None
+            start = len(seq.token_ids) - 1
+            if self.runner.kv_len(inp.seq_id) != start or self.runner.region_start(inp.seq_id) is not None:
+                return None
+            total = start + (num_steps - 1) * max_accept + step.width
+            if total + 1 > self.max_context_len or bm.blocks_for(total) > step.max_blocks:
+                return None
+            totals[inp.seq_id] = total
+        try:
+            self.runner.reserve(totals)
+        except OutOfKVBlocks:
+            return None
+        return [(self.runner.kv_len(inp.seq_id), bm.block_table(inp.seq_id)) for inp in inputs]
+
+    def chain_commit(self, inp: VerifyInput, steps: list[list[int]]) -> StepOutput:
+        """The outcome of a chained run for one sequence (chain_reserve'd): its KV now holds the root and every
+        accepted draft of all steps; the tokens are committed step by step as a Verify commits them (a stop or the
+        length limit cuts the run and finishes the sequence; what the device computed past it is dropped)."""
+        seq = self._seqs[inp.seq_id]
+        self.runner.written(inp.seq_id, len(seq.token_ids) - 1 + sum(len(tokens) for tokens in steps))
+        out = StepOutput(inp.seq_id, num_steps=0)
+        for tokens in steps:
+            step = StepOutput(inp.seq_id, num_accepted_drafts=len(tokens) - 1)
+            self._commit(step, seq, tokens)
+            out.token_ids += step.token_ids
+            out.num_accepted_drafts += step.num_accepted_drafts
+            out.num_draft_tokens += len(inp.tree.token_ids)
+            out.num_steps += 1
+            if step.finish_reason is not None:
+                out.finish_reason = step.finish_reason
+                break
+        return out
+
+    def chain_abort(self, inputs: list[VerifyInput]) -> None:
+        """A chained run that did not happen (or failed): the reserved KV goes back; what it wrote past each
+        sequence's KV end is never read."""
+        for inp in inputs:
+            if self.runner.has_seq(inp.seq_id):
+                self.runner.written(inp.seq_id, self.runner.kv_len(inp.seq_id))
+
     def release(self, seq_ids: list[str]) -> int:
         released = 0
         for seq_id in seq_ids:

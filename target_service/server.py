@@ -52,6 +52,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.worker = ModelWorker("target-model", inline_steps)
         self.limits = convert.Limits(engine.runner.model_config.vocab_size, max_tree_nodes)
         self.drafter = None  # a DraftServicer in this process (UNO, --colocate-draft): answers propose_next
+        self.chained = None  # target_service.chained.ChainedSteps: speculative steps chained on the device
         self.profiling: ProfilerServicer | None = None  # counts Verify calls as profile steps
         # --enable-run-ahead: the next call's inputs as this pod expects them (by sequence) and the task running them;
         # hits and misses count sequences
@@ -233,6 +234,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         forward_ms = 0.0
         runs = [(inp, out, k, asked) for inp, out, k, asked in zip(inputs, outputs, steps, wire_features)
                 if inp.propose_next is not None and k > 1]
+        forward_ms += self._chained_steps(runs)
         while True:
             runs = [(inp, out, k, asked) for inp, out, k, asked in runs
                     if out.num_steps < k and out.status == Status.OK and out.finish_reason is None
@@ -258,6 +260,32 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     out.logprobs += res.logprobs
                 if asked and out.features is not None and res.features is not None:
                     out.features = torch.cat([out.features, res.features])
+
+    def _chained_steps(self, runs: list[tuple]) -> float:
+        """The steps every run still wants, chained on the device when all of them can be (target_service/chained.py:
+        one readback for all the steps instead of two per step); each output then covers them. Returns the
+        milliseconds spent (0: nothing ran, the step-by-step loop does it all)."""
+        runs = [(inp, out, k, asked) for inp, out, k, asked in runs
+                if out.status == Status.OK and out.finish_reason is None and out.proposal is not None
+                and out.proposal.status == Status.OK and out.proposal.tree.token_ids and not asked]
+        if self.chained is None or not runs:
+            return 0.0
+        steps = min(k - out.num_steps for _, out, k, _ in runs)
+        nexts = [(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
+                                      root_token_id=out.token_ids[-1], tree=out.proposal.tree), out)
+                 for inp, out, _, _ in runs]
+        start = time.perf_counter()
+        results = self.chained.run(nexts, steps)
+        if not results:
+            return 0.0
+        for _, out, _, _ in runs:
+            res = results[out.seq_id]
+            out.token_ids += res.token_ids
+            out.num_accepted_drafts += res.num_accepted_drafts
+            out.num_draft_tokens += res.num_draft_tokens
+            out.num_steps += res.num_steps
+            out.finish_reason, out.proposal = res.finish_reason, res.proposal
+        return (time.perf_counter() - start) * 1e3
 
     def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from
@@ -326,7 +354,8 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
                        credentials=None, inline_steps: bool = True,
                        max_tree_nodes: int = convert.DEFAULT_MAX_TREE_NODES, service_api_key: str | None = None,
                        seq_idle_ttl_s: float = DEFAULT_IDLE_TTL_S, proposer=None,
-                       profiler: ProcessProfiler | None = None, run_ahead: bool = False):
+                       profiler: ProcessProfiler | None = None, run_ahead: bool = False,
+                       chain_steps: bool = True):
     """Start the target gRPC server; returns (server, bound_port). service_api_key: the credential every RPC but
     health checks must carry (None = open).
     metrics: a tandem.observability.ServiceMetrics to fill; credentials: protos.wire.server_credentials for TLS;
@@ -335,7 +364,9 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
     target's ModelWorker, so one model call runs at a time. profiler: this process's ProcessProfiler (--profile-dir),
     served as the Profiler service (without one, StartProfile answers that profiling is off). run_ahead
     (--enable-run-ahead): after each Verify, run the call expected next while the answer travels
-    (TargetServicer._start_ahead)."""
+    (TargetServicer._start_ahead). chain_steps (default; --disable-chained-speculative-steps): a call's speculative
+    steps after its first run chained on the device where the static verify and draft steps take them
+    (target_service/chained.py)."""
     from draft_service.server import DraftServicer
 
     servicer = TargetServicer(engine, model_path, metrics, inline_steps, max_tree_nodes, seq_idle_ttl_s, run_ahead)
@@ -345,6 +376,12 @@ async def serve_target(engine: TargetEngine, model_path: str, host: str, port: i
                                 seq_idle_ttl_s=seq_idle_ttl_s)
         drafter.worker = servicer.worker
         servicer.drafter = drafter
+        if chain_steps and getattr(proposer, "chainable", False):
+            from target_service.chained import ChainedSteps
+
+            chained = ChainedSteps(engine, proposer)
+            if chained.enable():
+                servicer.chained = chained
     servicer.profiling = ProfilerServicer(profiler or ProcessProfiler("target", None), servicer.worker)
     if metrics is not None:
         runner = engine.runner

@@ -47,7 +47,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
                       multi_layer: bool = False, draft_window_size: int | None = None,
-                      lora_path: Path | None = None, colocate: bool = False, run_ahead: bool = False):
+                      lora_path: Path | None = None, colocate: bool = False, run_ahead: bool = False,
+                      chain_steps: bool = True):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -61,7 +62,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     draft_window_size: a DFLASH draft's --speculative-draft-window-size;
     lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does;
     colocate: the draft's proposer is served by the target server (`--colocate-draft`): every Verify drafts the next
-    tree in the same call; run_ahead: the target pod runs the call it expects next (`--enable-run-ahead`)."""
+    tree in the same call; run_ahead: the target pod runs the call it expects next (`--enable-run-ahead`); chain_steps:
+    a call's speculative steps after its first chained on the device (static steps; target_service/chained.py)."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -113,7 +115,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
         assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)
     on_target = uno or (proposer if colocate else None)  # the target server also serves DraftService
     server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
-                                      proposer=on_target, run_ahead=run_ahead)
+                                      proposer=on_target, run_ahead=run_ahead,
+                                      chain_steps=chain_steps)
     servers.append(server)
     target = TargetClient(f"127.0.0.1:{port}")
     draft = DraftClient(f"127.0.0.1:{port}") if on_target is not None else None
@@ -151,10 +154,12 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
 
 
 async def generate_ids(scheduler: Scheduler, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                       seed: int | None = None, request_id: str = "r") -> tuple[list[int], object]:
-    """Run one request to completion; returns (output ids, final usage)."""
+                       seed: int | None = None, request_id: str = "r",
+                       stop_token_ids: list[int] | None = None) -> tuple[list[int], object]:
+    """Run one request to completion; returns (output ids, final usage, finish reason)."""
     params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
-                            sampling=request_sampling(temperature=temperature, seed=seed), detokenize=False)
+                            sampling=request_sampling(temperature=temperature, seed=seed), detokenize=False,
+                            stop_token_ids=list(stop_token_ids or []))
     out, usage, finish = [], None, None
     async for chunk in scheduler.generate(params):
         out.extend(chunk.token_ids)

@@ -133,6 +133,8 @@ class StaticDraftStep(StaticStep):
         # The tree steps' constant metadata, made once (each op is a node of the graph, replayed every Propose).
         query_start_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * k
         node_offsets = torch.arange(k, device=dev)
+        # A padding row (every catch-up slot -1) writes no tree node KV either: its table is block 0's, someone's.
+        live = slots[:, q - 1:q] >= 0
         all_tree = torch.ones(b, dtype=torch.int32, device=dev)
         for step in range(1, steps):
             s = step - 1  # the builder step whose nodes are forwarded now
@@ -145,7 +147,7 @@ class StaticDraftStep(StaticStep):
             feats = parent_hidden.gather(1, ranks.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
             region = kv_after.unsqueeze(1) + s * k + node_offsets  # (b, k) KV indices
             block = tables.gather(1, (region // self.block_size).to(torch.long)).to(torch.long)
-            node_slots = block * self.block_size + region % self.block_size
+            node_slots = torch.where(live, block * self.block_size + region % self.block_size, -1)
             positions = (kv_after + s).unsqueeze(1).expand(b, k)
             backend.use_static_metadata(
                 slot_mapping=node_slots.reshape(-1), block_tables=tables,

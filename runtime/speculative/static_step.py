@@ -155,6 +155,12 @@ class StaticStep:
     def execute(self, host: torch.Tensor) -> torch.Tensor:
         """One host->device copy of the packed inputs (as many table columns as the host rows hold), then the
         bucket's graph (or the device code, eager)."""
+        self.load(host)
+        return self.replay(host.shape[0])
+
+    def load(self, host: torch.Tensor) -> None:
+        """The packed inputs of a bucket (rows of `new_host_rows`) into the device inputs: one copy, asynchronous
+        from the pinned staging buffer on CUDA."""
         bs, width = host.shape
         if self.inputs.device.type == "cuda":
             self.inputs[:bs, :width].copy_(host, non_blocking=host.is_pinned())
@@ -163,7 +169,6 @@ class StaticStep:
             self._staged.record()
         else:
             self.inputs[:bs, :width].copy_(host)
-        return self.replay(bs)
 
     def read_back(self, out: torch.Tensor) -> torch.Tensor:
         """The step's one device->host copy of `out` (contiguous), into pinned memory kept across steps: the result

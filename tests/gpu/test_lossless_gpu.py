@@ -75,3 +75,28 @@ async def test_greedy_equals_hf_on_cuda(prompts_and_reference, algorithm, draft,
     tau = sum(r[1].completion_tokens for r in results) / sum(r[1].verify_steps + 1 for r in results)
     print(f"{algorithm} {steps}/{topk}/{ndt}: tau {tau:.2f}, mismatched prompts {mismatched}")
     assert not mismatched, f"{algorithm}: outputs differ from HF greedy for prompts {mismatched}"
+
+
+@pytest.mark.parametrize("algorithm,draft,steps,topk,ndt", [
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 5, 4, 16, id="eagle3-tree"),
+    pytest.param("EAGLE3", DEFAULT_EAGLE3, 3, 1, 4, id="eagle3-chain"),
+    pytest.param("STANDALONE", DEFAULT_DRAFT, 4, 2, 8, id="standalone-tree"),
+])
+async def test_chained_steps_equal_hf_on_cuda(prompts_and_reference, algorithm, draft, steps, topk, ndt):
+    """Speculative steps chained on the device (target_service/chained.py: the glue graphs between the static verify
+    and draft graphs, one readback per call) with the draft co-located, 4 steps per call, 3 sequences at once (a
+    bucket of 4 with a padding row) and then one: greedy == HF, and the chained runs happened."""
+    prompts, want = prompts_and_reference
+    async with local_stack(DEFAULT_MODEL, algorithm=algorithm, draft_path=draft, num_steps=steps, topk=topk,
+                           num_draft_tokens=ndt, max_total_tokens=16384, device="cuda", dtype="float32",
+                           colocate=True, static_steps=True, num_continuous_decode_steps=4) as scheduler:
+        results = await asyncio.gather(*(generate_ids(scheduler, p, NEW_TOKENS, request_id=f"c{i}")
+                                         for i, p in enumerate(prompts[:3])))
+        results.append(await generate_ids(scheduler, prompts[3], NEW_TOKENS, request_id="c3"))
+        chained = scheduler.test_servicers[0].chained
+        runs = chained.num_runs if chained is not None else 0
+    got = [r[0] for r in results]
+    mismatched = [i for i, (g, w) in enumerate(zip(got, want[:4])) if g != w]
+    print(f"chained {algorithm} {steps}/{topk}/{ndt}: {runs} chained runs, mismatched prompts {mismatched}")
+    assert runs > 0
+    assert not mismatched, f"{algorithm} chained: outputs differ from HF greedy for prompts {mismatched}"

@@ -1,0 +1,90 @@
+"""Continuous speculative steps of a target and the draft in its process, chained on the device
+(runtime/speculative/fused_step.py): the k - 1 steps of a Verify call after its first one run as one device run with
+one readback, instead of two host round trips (verify readback, draft readback) per step.
+
+Used by TargetServicer._speculative_steps where every sequence of the run can take it (greedy without logprobs or
+penalties, the served tree shape with static verify and draft steps, draft state exactly as its last static Propose
+left it); anything else, and any run whose KV reservation fails, takes the step-by-step loop. Output is the loop's:
+the same static steps run the same device code, and the commit applies stops and length limits step by step."""
+from __future__ import annotations
+
+import logging
+
+from core.steps import ProposeOutput, SpecShape, StepOutput, VerifyInput
+from core.types import ROOT, DraftTree
+from core.types import SeqStatus as Status
+
+logger = logging.getLogger(__name__)
+
+
+class ChainedSteps:
+    def __init__(self, engine, proposer) -> None:
+        """engine: the TargetEngine; proposer: the co-located draft's ModelDrafter."""
+        self.engine, self.proposer = engine, proposer
+        self.fused: dict[SpecShape, object] = {}  # shape -> runtime.speculative.fused_step.FusedSteps
+        self.num_runs = 0  # chained runs (device runs of several steps)
+        self.num_steps = 0  # sequence-steps they ran
+
+    def enable(self, max_steps: int = 16) -> list[SpecShape]:
+        """FusedSteps for every shape both the draft's static step and the target's static verify step take; the
+        glue graphs are captured here (CUDA). Returns the shapes."""
+        from runtime.speculative.fused_step import FusedSteps
+
+        verify = self.engine._static_verify
+        chain_step = getattr(self.proposer, "chain_step", None)
+        if verify is None or chain_step is None:
+            return []
+        for spec in list(getattr(self.proposer, "_static_steps", {})):
+            draft = chain_step(spec)
+            if draft is None or spec.num_draft_tokens != verify.width or draft.sizes != verify.sizes:
+                continue
+            fused = FusedSteps(verify, draft, max_steps)
+            fused.capture()
+            self.fused[spec] = fused
+        return list(self.fused)
+
+    def run(self, runs: list[tuple[VerifyInput, StepOutput]], steps: int) -> dict[str, StepOutput]:
+        """runs: (the input of a sequence's next step — its committed length, root and tree as the last step left
+        them —, its output so far). Runs `steps` chained steps of all of them when it can (else {}): the outcome
+        of each, as one output covering the steps (tokens, counts, the proposal drafted after the last step)."""
+        if not runs or steps < 1:
+            return {}
+        spec = runs[0][0].propose_next
+        fused = self.fused.get(spec)
+        if fused is None or any(inp.propose_next != spec or inp.tree.draft_probs is not None for inp, _ in runs):
+            return {}
+        steps = min(steps, fused.max_steps)
+        inputs = [inp for inp, _ in runs]
+        if not fused.fits(len(inputs), steps):
+            return {}
+        targets = self.engine.chain_reserve(inputs, steps, fused.max_accept)
+        if targets is None:
+            return {}
+        drafts = self.proposer.chain_reserve([(inp.seq_id, inp.committed_len) for inp in inputs], spec, steps,
+                                             fused.max_accept)
+        if drafts is None:
+            self.engine.chain_abort(inputs)
+            return {}
+        from runtime.speculative.fused_step import ChainSeq
+
+        seqs = [ChainSeq(inp.root_token_id, t_start, d_start, t_table, d_table, list(inp.tree.token_ids),
+                         [-1 if p == ROOT else p for p in inp.tree.parents])
+                for inp, (t_start, t_table), (d_start, d_table) in zip(inputs, targets, drafts)]
+        try:
+            results = fused.run(seqs, steps)
+        except Exception:
+            self.engine.chain_abort(inputs)
+            self.proposer.chain_abort([inp.seq_id for inp in inputs])
+            raise
+        self.num_runs += 1
+        self.num_steps += steps * len(inputs)
+        outputs = {}
+        for inp, res in zip(inputs, results):
+            out = self.engine.chain_commit(inp, res.steps)
+            self.proposer.chain_commit(inp.seq_id, [t for tokens in res.steps for t in tokens], res.last_feature)
+            if out.finish_reason is None:
+                tree = DraftTree(res.tree_tokens, [ROOT if p < 0 else p for p in res.tree_parents])
+                out.proposal = ProposeOutput(inp.seq_id, Status.OK, tree,
+                                             base_committed_len=inp.committed_len + len(out.token_ids))
+            outputs[inp.seq_id] = out
+        return outputs

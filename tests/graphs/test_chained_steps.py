@@ -1,0 +1,111 @@
+"""Speculative steps chained on the device (runtime/speculative/fused_step.py, target_service/chained.py): with the
+draft in the target's process and the static verify and draft steps (eager device code on CPU), the k - 1 steps of a
+Verify call after its first run as one device run with one readback. Greedy output equals HF `generate` and the
+step-by-step stack's, with stops and length limits inside a chained run, several sequences at once (padding rows in
+a bucket), and no KV left behind; the chained run counts one readback for all its steps."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.stack import generate_ids, local_stack
+from tests.test_colocate import _draft, models  # noqa: F401 - the module fixture: tiny target + its drafts
+from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
+
+
+@pytest.mark.parametrize("algorithm,steps,topk,ndt,k", [
+    ("EAGLE3", 4, 3, 10, 4), ("EAGLE3", 3, 1, 4, 3), ("STANDALONE", 3, 2, 6, 5), ("STANDALONE", 3, 1, 4, 2),
+])
+async def test_chained_steps_greedy_matches_hf(models, algorithm, steps, topk, ndt, k):
+    """Three sequences of different lengths at once (a bucket of 4: one padding row), each through chained runs; the
+    outputs equal HF greedy, the runs happened, and the KV is all returned."""
+    path, _, hf = models
+    async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
+                           topk=topk, num_draft_tokens=ndt, colocate=True, static_steps=True, inline_steps=False,
+                           num_continuous_decode_steps=k) as scheduler:
+        chained = scheduler.test_servicers[0].chained
+        assert chained is not None and chained.fused
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 20 + 7 * i, request_id=f"r{i}")
+                                         for i, p in cases))
+        for (i, prompt), (got, _, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 20 + 7 * i)
+        assert chained.num_runs > 0 and chained.num_steps > 0
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models):
+    """A stop token met inside a chained run ends the sequence there (the device's later steps are dropped): the
+    same tokens and finish reasons as the step-by-step stack, for stops at several depths."""
+    path, _, hf = models
+    prompt = prompts(hf.config.vocab_size)[0]
+    reference = hf_greedy(hf, prompt, 40)
+    outcomes = {}
+    for chain in (True, False):
+        async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=4, topk=3,
+                               num_draft_tokens=10, colocate=True, static_steps=True, num_continuous_decode_steps=4, inline_steps=False,
+                               chain_steps=chain) as scheduler:
+            got = []
+            for at in (5, 13, 27):  # the token at this index stops the request
+                ids, finish, _ = await generate_ids(scheduler, prompt, 40, stop_token_ids=[reference[at]],
+                                                    request_id=f"s{at}")
+                got.append((ids, finish))
+            if chain:
+                assert scheduler.test_servicers[0].chained.num_runs > 0
+            await _assert_no_kv_leak(scheduler)
+        outcomes[chain] = got
+    assert outcomes[True] == outcomes[False]
+    for (ids, _), at in zip(outcomes[True], (5, 13, 27)):
+        first = reference.index(reference[at])
+        assert ids == reference[:first + 1]
+
+
+async def test_a_chained_run_reads_back_once(models, monkeypatch):
+    """Host readbacks of a chained run: one device->host copy for all its steps (StaticStep.read_back), counted."""
+    from runtime.speculative import static_step
+    from runtime.speculative.fused_step import FusedSteps
+
+    path, _, hf = models
+    reads, runs = [0], [0]
+    read_back = static_step.StaticStep.read_back
+
+    def counting(self, out):
+        reads[0] += 1
+        return read_back(self, out)
+
+    run = FusedSteps._run
+
+    def counted_run(self, *args):
+        before = reads[0]
+        result = run(self, *args)
+        runs.append(reads[0] - before)
+        return result
+
+    monkeypatch.setattr(static_step.StaticStep, "read_back", counting)
+    monkeypatch.setattr(FusedSteps, "_run", counted_run)
+    async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
+                           topk=2, num_draft_tokens=6, colocate=True, static_steps=True, inline_steps=False,
+                           num_continuous_decode_steps=6) as scheduler:
+        prompt = prompts(hf.config.vocab_size)[1]
+        got, _, _ = await generate_ids(scheduler, prompt, 30)
+        assert got == hf_greedy(hf, prompt, 30)
+    assert len(runs) > 1 and all(n == 1 for n in runs[1:]), runs
+
+
+def test_fused_steps_refuse_mismatched_shapes(models):
+    """A draft step whose trees are not the verify step's width cannot be chained (a clear error at build)."""
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from runtime.speculative.draft_step import StaticDraftStep, StepShape
+    from runtime.speculative.fused_step import FusedSteps
+    from runtime.speculative.verify_step import StaticVerifyStep
+
+    path, _, _ = models
+    config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048, attention_backend="triton")
+    target = ModelRunner(str(path), config)
+    draft = ModelRunner(str(_draft(models, "STANDALONE")), config)
+    verify = StaticVerifyStep(target, 6, 2)
+    step = StaticDraftStep(draft, StepShape(3, 2, 8, catch_up=4), 2, feature_head=False)
+    with pytest.raises(ValueError, match="draft trees of 8 tokens, verify step of 6"):
+        FusedSteps(verify, step)
