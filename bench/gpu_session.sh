@@ -174,7 +174,8 @@ for s in $STAGES; do
         tests/gpu/test_draft_step_gpu.py > "$R/chained_tests.log" 2>&1
       grep -E "chained|passed|failed|FAILED|Error" "$R/chained_tests.log" | tail -8
       timeout 380 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
-        EAGLE3-tree-unchained STANDALONE-chain STANDALONE-chain-unchained EAGLE3-tree-k8 EAGLE3-auto NGRAM-auto \
+        EAGLE3-tree-unchained STANDALONE-chain STANDALONE-chain-unchained EAGLE3-tree-k8 EAGLE3-tree-ahead AR-ahead \
+        EAGLE3-auto NGRAM-auto \
         --out "$R/accept_chained.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_chained.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| |Error|error" "$R/accept_chained.log" | tail -14 ;;
     run_ahead8b)  # the A/B that decides --enable-run-ahead for plain decoding: 8B AR through the services off / on,

@@ -48,7 +48,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
                       multi_layer: bool = False, draft_window_size: int | None = None,
                       lora_path: Path | None = None, colocate: bool = False, run_ahead: bool = False,
-                      chain_steps: bool = True):
+                      chain_steps: bool = True, static_max_bs: int = 4):
     """Yields a started Scheduler wired to in-process gRPC target (and draft) servers. adaptive: an AdaptiveSpec;
     device/dtype: of both model services (tests/gpu runs the same stack on CUDA); inline_steps: the services'
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
@@ -63,7 +63,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     lora_path: UNO's adapter (--uno-lora-path): the target server also serves DraftService, as `tandem target` does;
     colocate: the draft's proposer is served by the target server (`--colocate-draft`): every Verify drafts the next
     tree in the same call; run_ahead: the target pod runs the call it expects next (`--enable-run-ahead`); chain_steps:
-    a call's speculative steps after its first chained on the device (static steps; target_service/chained.py)."""
+    a call's speculative steps after its first chained on the device (static steps; target_service/chained.py);
+    static_max_bs: the static steps' largest batch bucket."""
     from draft_service.server import serve_draft
     from runtime.config import EngineConfig
     from runtime.model_runner import ModelRunner
@@ -92,7 +93,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     engine = TargetEngine(target_runner, **capture,
                           **({"accept_thresholds": accept_thresholds} if accept_thresholds is not None else {}))
     if static_steps:
-        assert engine.enable_static_verify(num_draft_tokens, max_bs=4)
+        assert engine.enable_static_verify(num_draft_tokens, max_bs=static_max_bs)
     uno = None
     if algorithm == "UNO":
         from target_service.uno import UnoProposer, attach_adapter
@@ -112,7 +113,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     if proposer is not None and static_steps and algorithm not in ("NGRAM", "DFLASH"):
         from draft_service.proposer import SpecShape
 
-        assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=4)
+        assert proposer.enable_static_step(SpecShape(num_steps, topk, num_draft_tokens), max_bs=static_max_bs)
     on_target = uno or (proposer if colocate else None)  # the target server also serves DraftService
     server, port = await serve_target(engine, str(target_path), "127.0.0.1", 0, inline_steps=inline_steps,
                                       proposer=on_target, run_ahead=run_ahead,

@@ -1,8 +1,8 @@
 """Speculative steps chained on the device (runtime/speculative/fused_step.py, target_service/chained.py): with the
 draft in the target's process and the static verify and draft steps (eager device code on CPU), the k - 1 steps of a
 Verify call after its first run as one device run with one readback. Greedy output equals HF `generate` and the
-step-by-step stack's, with stops and length limits inside a chained run, several sequences at once (padding rows in
-a bucket), and no KV left behind; the chained run counts one readback for all its steps."""
+step-by-step stack's, with stops and length limits inside a chained run, several sequences at once (and padding rows
+in a bucket), and no KV left behind; the chained run counts one readback for all its steps."""
 from __future__ import annotations
 
 import asyncio
@@ -14,23 +14,25 @@ from tests.test_colocate import _draft, models  # noqa: F401 - the module fixtur
 from tests.test_lossless_greedy import _assert_no_kv_leak, hf_greedy, prompts
 
 
-@pytest.mark.parametrize("algorithm,steps,topk,ndt,k", [
-    ("EAGLE3", 4, 3, 10, 4), ("EAGLE3", 3, 1, 4, 3), ("STANDALONE", 3, 2, 6, 5), ("STANDALONE", 3, 1, 4, 2),
+@pytest.mark.parametrize("algorithm,steps,topk,ndt,k,num_seqs", [
+    ("EAGLE3", 4, 3, 10, 4, 3), ("EAGLE3", 3, 1, 4, 3, 3), ("STANDALONE", 3, 2, 6, 5, 3), ("STANDALONE", 3, 1, 4, 2, 9),
 ])
-async def test_chained_steps_greedy_matches_hf(models, algorithm, steps, topk, ndt, k):
-    """Three sequences of different lengths at once (a bucket of 4: one padding row), each through chained runs; the
+async def test_chained_steps_greedy_matches_hf(models, algorithm, steps, topk, ndt, k, num_seqs):
+    """Sequences of different lengths at once (9: a bucket of 16 with padding rows), each through chained runs; the
     outputs equal HF greedy, the runs happened, and the KV is all returned."""
     path, _, hf = models
+    base = prompts(hf.config.vocab_size)
+    cases = [(i, base[i % 3] + [3 + i] * (i // 3)) for i in range(num_seqs)]
     async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
                            topk=topk, num_draft_tokens=ndt, colocate=True, static_steps=True, inline_steps=False,
-                           num_continuous_decode_steps=k) as scheduler:
+                           static_max_bs=16, num_continuous_decode_steps=k) as scheduler:
         chained = scheduler.test_servicers[0].chained
         assert chained is not None and chained.fused
-        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
-        results = await asyncio.gather(*(generate_ids(scheduler, p, 20 + 7 * i, request_id=f"r{i}")
-                                         for i, p in cases))
-        for (i, prompt), (got, _, _) in zip(cases, results):
-            assert got == hf_greedy(hf, prompt, 20 + 7 * i)
+        lengths = [(20 if num_seqs <= 4 else 8) + 7 * (i % 3) for i in range(num_seqs)]  # (the interpreter is slow)
+        results = await asyncio.gather(*(generate_ids(scheduler, p, n, request_id=f"r{i}")
+                                         for (i, p), n in zip(cases, lengths)))
+        for (_, prompt), n, (got, _, _) in zip(cases, lengths, results):
+            assert got == hf_greedy(hf, prompt, n)
         assert chained.num_runs > 0 and chained.num_steps > 0
         await _assert_no_kv_leak(scheduler)
 

@@ -129,6 +129,30 @@ def test_standalone_static_step_batch_one_and_one_readback(llama, monkeypatch):
         monkeypatch.undo()
 
 
+def test_padding_rows_write_no_kv(llama):
+    """A batch of 9 in a bucket of 16: the padding rows' block tables are all block 0, which belongs to a live
+    sequence here; their catch-up and tree nodes write no KV there (the KV that sequence holds keeps its values)."""
+    from draft_service.proposer import ProposeInput
+
+    p = StandaloneProposer(ModelRunner(llama, _config()))
+    assert p.enable_static_step(TREE, max_bs=16)
+    seqs = {f"r{i}": [3 + i, 9, 27, 81, 200, 11 + i] for i in range(9)}
+    for s, toks in seqs.items():
+        p.prefill(s, toks)
+    p.propose([ProposeInput(s, len(t), [], TREE) for s, t in seqs.items()])  # prompt catch-up: eager
+    assert p._static_steps[TREE].bucket_for(len(seqs)) == 16
+    bm, kv = p.runner.block_manager, p.runner.kv_pool.kv  # kv: (L, 2, blocks, block_size, kvh, hd)
+    owner = next(s for s in seqs if 0 in bm.block_table(s))
+    first = bm.block_table(owner).index(0) * bm.block_size  # the owner's position at block 0's slot 0
+    held = [i for i in range(bm.block_size) if first + i < p.runner.kv_len(owner)]
+    assert held
+    before = kv[:, :, 0].clone()
+    p.propose([ProposeInput(s, len(t) + 1, [1], TREE) for s, t in seqs.items()])
+    assert p._static_steps[TREE].num_replays == 1
+    for i in held:
+        assert torch.equal(before[:, :, i], kv[:, :, 0, i]), f"block 0 slot {i} overwritten"
+
+
 @pytest.mark.parametrize("spec", [TREE, CHAIN], ids=["tree", "chain"])
 def test_eagle3_static_step_matches_eager(tmp_path, spec):
     from tests.eagle.heads import make_eagle3_head
