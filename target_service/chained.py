@@ -43,19 +43,20 @@ class ChainedSteps:
             self.fused[spec] = fused
         return list(self.fused)
 
-    def run(self, runs: list[tuple[VerifyInput, StepOutput]], steps: int) -> dict[str, StepOutput]:
-        """runs: (the input of a sequence's next step — its committed length, root and tree as the last step left
-        them —, its output so far). Runs `steps` chained steps of all of them when it can (else {}): the outcome
+    def run(self, inputs: list[VerifyInput], steps: int) -> dict[str, StepOutput]:
+        """inputs: each sequence's next step (its committed length, root and tree: a tree this draft drafted as its
+        last static Propose left it). Runs `steps` chained steps of all of them when it can (else {}): the outcome
         of each, as one output covering the steps (tokens, counts, the proposal drafted after the last step)."""
-        if not runs or steps < 1:
+        if not inputs or steps < 1:
             return {}
-        spec = runs[0][0].propose_next
+        spec = inputs[0].propose_next
         fused = self.fused.get(spec)
-        if fused is None or any(inp.propose_next != spec or inp.tree.draft_probs is not None for inp, _ in runs):
+        if fused is None or any(inp.propose_next != spec or inp.tree.draft_probs is not None for inp in inputs):
             return {}
         steps = min(steps, fused.max_steps)
-        inputs = [inp for inp, _ in runs]
-        if not fused.fits(len(inputs), steps):
+        # a tree no deeper than the draft's steps: its accepted path fits the catch-up window and the KV reserved
+        if not fused.fits(len(inputs), steps) or any(
+                inp.tree.token_ids and max(inp.tree.depths()) >= spec.num_steps for inp in inputs):
             return {}
         targets = self.engine.chain_reserve(inputs, steps, fused.max_accept)
         if targets is None:

@@ -127,6 +127,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         propose_next, the next tree drafted here and num_decode_steps - 1 more speculative steps (verify, then draft)
         back to back. Returns the outputs and the milliseconds of verify forwards; the inputs are left as they came
         (a run-ahead compares them with the next call's)."""
+        chained = self._chain_call(inputs)
+        if chained is not None:
+            return chained
         # features the caller asked for; a feature draft in this process gets those of propose_next steps either way
         feeds_draft = self.drafter is not None and self.drafter.proposer.needs_features
         work = [dataclasses.replace(inp, return_features=inp.return_features or feeds_draft,
@@ -271,11 +274,11 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self.chained is None or not runs:
             return 0.0
         steps = min(k - out.num_steps for _, out, k, _ in runs)
-        nexts = [(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
-                                      root_token_id=out.token_ids[-1], tree=out.proposal.tree), out)
+        nexts = [dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
+                                     root_token_id=out.token_ids[-1], tree=out.proposal.tree)
                  for inp, out, _, _ in runs]
         start = time.perf_counter()
-        results = self.chained.run(nexts, steps)
+        results = self._run_chained(nexts, steps)
         if not results:
             return 0.0
         for _, out, _, _ in runs:
@@ -286,6 +289,29 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             out.num_steps += res.num_steps
             out.finish_reason, out.proposal = res.finish_reason, res.proposal
         return (time.perf_counter() - start) * 1e3
+
+    def _run_chained(self, inputs: list[VerifyInput], steps: int) -> dict[str, StepOutput]:
+        results = self.chained.run(inputs, steps)
+        if results:  # the draft's sequences were used (its idle sweeper frees the untouched ones)
+            self.drafter.leases.touch(list(results))
+        return results
+
+    def _chain_call(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float] | None:
+        """The whole call chained on the device, its first step too, when every sequence verifies a full tree of the
+        served shape (drafted here as the last call's proposal) for the same number of steps and the target and
+        draft are exactly where that proposal left them: one host->device copy and one readback for the call.
+        None: the call runs as usual."""
+        if self.chained is None or not inputs:
+            return None
+        k = inputs[0].num_decode_steps
+        if any(inp.propose_next is None or inp.return_features or not inp.tree.token_ids
+               or inp.num_decode_steps != k for inp in inputs):
+            return None
+        start = time.perf_counter()
+        results = self._run_chained(inputs, k)
+        if not results:
+            return None
+        return [results[inp.seq_id] for inp in inputs], (time.perf_counter() - start) * 1e3
 
     def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from

@@ -64,7 +64,8 @@ async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models)
 
 
 async def test_a_chained_run_reads_back_once(models, monkeypatch):
-    """Host readbacks of a chained run: one device->host copy for all its steps (StaticStep.read_back), counted."""
+    """Host readbacks of a chained run: one device->host copy for all its steps (StaticStep.read_back), counted; and
+    a whole Verify call runs chained, its first step included."""
     from runtime.speculative import static_step
     from runtime.speculative.fused_step import FusedSteps
 
@@ -89,10 +90,21 @@ async def test_a_chained_run_reads_back_once(models, monkeypatch):
     async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
                            topk=2, num_draft_tokens=6, colocate=True, static_steps=True, inline_steps=False,
                            num_continuous_decode_steps=6) as scheduler:
+        engine, plain = scheduler.test_engine, [0]
+        verify = engine.verify
+
+        def counted_verify(inputs):
+            plain[0] += 1
+            return verify(inputs)
+
+        engine.verify = counted_verify
         prompt = prompts(hf.config.vocab_size)[1]
         got, _, _ = await generate_ids(scheduler, prompt, 30)
         assert got == hf_greedy(hf, prompt, 30)
     assert len(runs) > 1 and all(n == 1 for n in runs[1:]), runs
+    # the first tree came with the Prefill, so every Verify call ran chained, its first step too (the last one,
+    # cut short by the length limit, may not: it then verifies step by step)
+    assert plain[0] <= 1, plain
 
 
 def test_fused_steps_refuse_mismatched_shapes(models):
