@@ -96,6 +96,9 @@ CONFIGS.update({f"{name}-k{k}": [*CONFIGS[name], "--colocate-draft", "--num-cont
                 for name in ("EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain") for k in (8, 16)})
 CONFIGS.update({f"{name}-unchained": [*CONFIGS[name], "--disable-chained-speculative-steps"]
                 for name in ("EAGLE3-tree", "EAGLE3-auto", "EAGLE3-chain", "STANDALONE-chain", "EAGLE3-tree-k8")})
+# Run-ahead off (on by default for a CUDA target that decodes plainly or drafts in its own process; A/B)
+CONFIGS.update({f"{name}-noahead": [*CONFIGS[name], "--disable-run-ahead"]
+                for name in ("AR", "EAGLE3-tree", "EAGLE3-auto", "STANDALONE-chain", "NGRAM-auto")})
 # The same shapes verifying eagerly (the static verify step, one CUDA graph per Verify, is the default; A/B)
 CONFIGS.update({f"{name}-eager-verify": [*flags, "--disable-static-verify-step"] for name, flags in list(CONFIGS.items())
                 if not name.startswith("AR") and "--disable-static-draft-step" not in flags})

@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: chained run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: chained chained2 run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -178,6 +178,19 @@ for s in $STAGES; do
         EAGLE3-auto NGRAM-auto \
         --out "$R/accept_chained.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_chained.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| |Error|error" "$R/accept_chained.log" | tail -14 ;;
+    chained2)  # whole Verify calls chained on the device and run-ahead on by default: GPU lossless, then the demo path
+      # at batch 1 (defaults vs run-ahead off vs step by step), then 8B AR through the services with the defaults
+      timeout -s INT 150 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
+        -k "chained or ahead" > "$R/chained2_tests.log" 2>&1
+      grep -E "chained|tau|passed|failed|FAILED|Error" "$R/chained2_tests.log" | tail -10
+      timeout 330 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-noahead EAGLE3-tree-unchained AR-noahead STANDALONE-chain EAGLE3-auto NGRAM-auto \
+        --out "$R/accept_chained2.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_chained2.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_chained2.log" | tail -20
+      timeout 110 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --out-dir "$R/serve_decode_8b" \
+        -- --cuda-graph-max-bs 4 > "$R/serve_decode_8b.log" 2>&1
+      grep -E "ready in|starting" "$R/serve_decode_8b.log" | tail -2
+      cat "$R/serve_decode_8b/results.md" 2>/dev/null || tail -5 "$R/serve_decode_8b.log" ;;
     run_ahead8b)  # the A/B that decides --enable-run-ahead for plain decoding: 8B AR through the services off / on,
       # then the demo path (AR and STANDALONE, each off / on) at batch 1
       for c in off ahead; do

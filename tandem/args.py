@@ -93,8 +93,11 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "sequences from their new committed ends, verifying the trees it drafted itself with "
                             "--colocate-draft, or the same plain decode steps) while the answer travels and the gateway "
                             "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
-                            "rolls its run-ahead back (lossless either way). Greedy sequences only. Off by default until "
-                            "measured on a GPU (`bash bench/gpu_session.sh run_ahead`)")
+                            "rolls its run-ahead back (lossless either way). Greedy sequences only. Default: on for a "
+                            "CUDA target that decodes plainly or drafts in its own process (not UNO), off elsewhere "
+                            "(bench/results/session13_h200)")
+        g.add_argument("--disable-run-ahead", action="store_true",
+                       help="never run the next call ahead (the A/B switch of the default above)")
     if tp:
         g.add_argument("--disable-chained-speculative-steps", action="store_true",
                        help="with the draft in the target's process and several speculative steps per call, run the "
@@ -251,6 +254,22 @@ def colocates_draft(args: argparse.Namespace) -> bool:
     draft anyway) whose draft runs in the target's process."""
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     return bool(getattr(args, "colocate_draft", False)) and entry.drafts and not entry.drafts_on_target
+
+
+def run_ahead(args: argparse.Namespace) -> bool:
+    """Run-ahead in effect for a target (process) with these flags: --enable-run-ahead / --disable-run-ahead, else on
+    where an H200 measured it faster (bench/results/session13_h200, the demo family through `tandem serve`, batch 1:
+    plain decoding 1.12x, STANDALONE co-located 1.17x, EAGLE3 5/4/16 co-located and chained 1.12x; Llama-3.1-8B plain
+    decoding through the services 1.05x): a CUDA target that decodes plainly or drafts in its own process. Not on CPU
+    (the run-ahead competes with the gateway for the same cores: no gain, bench/results/session11_cpu), not UNO (its
+    verify consumes a clean root its self-draft left pending)."""
+    if getattr(args, "disable_run_ahead", False):
+        return False
+    if getattr(args, "enable_run_ahead", False):
+        return True
+    entry = algorithms.get(getattr(args, "speculative_algorithm", None))
+    on_cuda = str(getattr(args, "device", "")).startswith("cuda") or getattr(args, "base_gpu_id", None) is not None
+    return on_cuda and (not entry.drafts or colocates_draft(args))
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import DraftModel, ShapeRule
-from tandem.args import colocates_draft, draft_model_path, model_path
+from tandem.args import colocates_draft, draft_model_path, model_path, run_ahead
 from tandem.verify_flags import verify_flags
 
 RESTART_BACKOFF_S = (1.0, 30.0)  # first and largest wait before a dead child is restarted
@@ -136,6 +136,7 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                                "--max-verify-tree-nodes", str(args.max_verify_tree_nodes),
                                *(["--colocate-draft"] if colocates_draft(args) else []),
                                *(["--enable-run-ahead"] if getattr(args, "enable_run_ahead", False) else []),
+                               *(["--disable-run-ahead"] if getattr(args, "disable_run_ahead", False) else []),
                                *(["--disable-chained-speculative-steps"]
                                  if getattr(args, "disable_chained_speculative_steps", False) else [])]
         target_addrs.append(f"{host}:{port}")
@@ -315,7 +316,7 @@ def _summary(args: argparse.Namespace, names: list[str]) -> str:
         where = "the draft in the target's process (--no-colocate-draft: a draft process)" if colocates_draft(args) \
             else "the target drafts"
         spec += f", {where}, {speculative_steps_per_call(args)} speculative steps per call"
-    if getattr(args, "enable_run_ahead", False):
+    if run_ahead(args):
         spec += ", run-ahead"
     return (f"tandem serve: starting {', '.join(names)} (model {Path(model_path(args)).name}, speculative {spec}, "
             f"device {args.device})")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import TargetFeatures
-from tandem.args import colocates_draft, draft_model_path, model_path
+from tandem.args import colocates_draft, draft_model_path, model_path, run_ahead
 
 logger = logging.getLogger("tandem")
 
@@ -181,7 +181,7 @@ async def run_target(args: argparse.Namespace) -> None:
                                       credentials=credentials, max_tree_nodes=args.max_verify_tree_nodes,
                                       service_api_key=args.service_api_key, seq_idle_ttl_s=args.seq_idle_ttl,
                                       proposer=proposer, profiler=_profiler(args, "target", runner.device),
-                                      run_ahead=getattr(args, "enable_run_ahead", False),
+                                      run_ahead=run_ahead(args),
                                       chain_steps=not getattr(args, "disable_chained_speculative_steps", False))
     role = f", drafting {proposer.algorithm}" if proposer is not None else ""
     print(f"tandem target{role} ready on {args.service_host}:{port}" + (f" (tp={tp_size})" if launcher else "")

@@ -142,6 +142,27 @@ def test_serve_passes_run_ahead_to_every_target_process():
     assert not any("--enable-run-ahead" in cmd for cmd in targets())
     child = build_parser().parse_args(targets("--enable-run-ahead")[0][3:])
     assert child.enable_run_ahead
+    assert all("--disable-run-ahead" in cmd for cmd in targets("--disable-run-ahead"))
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--device", "cuda"], True),  # plain decoding on a GPU
+    (["--device", "cuda:1", "--speculative-algorithm", "EAGLE3", "--colocate-draft"], True),
+    (["--device", "cuda", "--speculative-algorithm", "STANDALONE", "--colocate-draft"], True),
+    (["--device", "cuda", "--speculative-algorithm", "EAGLE3"], False),  # a draft pod of its own chooses the trees
+    (["--device", "cuda", "--speculative-algorithm", "UNO"], False),
+    (["--device", "cpu"], False),  # no gain measured on CPU
+    (["--device", "cuda", "--disable-run-ahead"], False),
+    (["--device", "cpu", "--enable-run-ahead"], True),
+])
+def test_run_ahead_default_follows_the_measurements(flags, want):
+    """Run-ahead is on where the H200 measured it faster (bench/results/session13_h200): a CUDA target decoding
+    plainly or drafting in its own process; the flags override."""
+    from tandem.args import run_ahead
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(["target", *flags])
+    assert run_ahead(args) is want
 
 
 async def test_a_run_ahead_that_fails_halfway_is_a_miss_and_the_output_is_unchanged(models):
