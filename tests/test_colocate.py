@@ -386,3 +386,21 @@ async def test_adaptive_tier_zero_steps_keep_a_colocated_feature_draft_in_sync(m
         assert sum(u.proposed_draft_tokens for _, u, _ in results) > 0
         assert prefills[0] == len(cases), prefills[0]  # the first prefills only
         await _assert_no_kv_leak(scheduler)
+
+
+def test_serve_passes_disable_chained_speculative_steps_to_every_target_process():
+    """`tandem serve --disable-chained-speculative-steps` (the A/B switch of the chained steps) reaches each target
+    process, which parses it; without it the targets chain (the default)."""
+    from tandem.cli import build_parser
+    from tandem.launch import commands
+
+    def targets(*flags):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-algorithm", "EAGLE3",
+                                          "--colocate-draft", "--num-target-replicas", "2", *flags])
+        args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens = 3, 1, 4
+        return [cmd for name, cmd in commands(args).items() if name.startswith("target-")]
+
+    flag = "--disable-chained-speculative-steps"
+    assert len(targets(flag)) == 2 and all(flag in cmd for cmd in targets(flag))
+    assert not any(flag in cmd for cmd in targets())
+    assert build_parser().parse_args(targets(flag)[0][3:]).disable_chained_speculative_steps
