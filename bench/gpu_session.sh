@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: chained chained2 run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -191,6 +191,11 @@ for s in $STAGES; do
         -- --cuda-graph-max-bs 4 > "$R/serve_decode_8b.log" 2>&1
       grep -E "ready in|starting" "$R/serve_decode_8b.log" | tail -2
       cat "$R/serve_decode_8b/results.md" 2>/dev/null || tail -5 "$R/serve_decode_8b.log" ;;
+    user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
+      timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
+        EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_user_path.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_user_path.log" | tail -14 ;;
     run_ahead8b)  # the A/B that decides --enable-run-ahead for plain decoding: 8B AR through the services off / on,
       # then the demo path (AR and STANDALONE, each off / on) at batch 1
       for c in off ahead; do
