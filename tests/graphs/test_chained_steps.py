@@ -123,3 +123,24 @@ def test_fused_steps_refuse_mismatched_shapes(models):
     step = StaticDraftStep(draft, StepShape(3, 2, 8, catch_up=4), 2, feature_head=False)
     with pytest.raises(ValueError, match="draft trees of 8 tokens, verify step of 6"):
         FusedSteps(verify, step)
+
+
+async def test_chained_steps_with_run_ahead_hits_and_misses(models):
+    """Run-ahead (on by default on a GPU) over chained calls: the pod runs the expected next call, chained, while the
+    answer travels, and the next call takes its outputs (hits). Greedy == HF, no KV left behind."""
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=2,
+                           num_draft_tokens=6, colocate=True, static_steps=True, inline_steps=False, run_ahead=True,
+                           num_continuous_decode_steps=3) as scheduler:
+        servicer = scheduler.test_servicers[0]
+        cases = list(enumerate(prompts(hf.config.vocab_size)[:3]))
+
+        async def staggered(i, prompt):
+            await asyncio.sleep(0.3 * i)
+            return await generate_ids(scheduler, prompt, 18 + 5 * i, request_id=f"a{i}")
+
+        results = await asyncio.gather(*(staggered(i, p) for i, p in cases))
+        for (i, prompt), (got, _, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 18 + 5 * i)
+        assert servicer.run_ahead_counts["hit"] > 0 and servicer.chained.num_runs > 0, servicer.run_ahead_counts
+        await _assert_no_kv_leak(scheduler)
