@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
 # their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
 set -u
@@ -191,6 +191,18 @@ for s in $STAGES; do
         -- --cuda-graph-max-bs 4 > "$R/serve_decode_8b.log" 2>&1
       grep -E "ready in|starting" "$R/serve_decode_8b.log" | tail -2
       cat "$R/serve_decode_8b/results.md" 2>/dev/null || tail -5 "$R/serve_decode_8b.log" ;;
+    chained8b)  # 8B SYNTHETIC through the services with the draft co-located: chained steps (default) vs step by step
+      # (#11's services efficiency >= 0.85 of in-process), then the in-process reference of the same configs
+      for mode in chained unchained; do
+        extra=""; [ $mode = unchained ] && extra="--target-args=--disable-chained-speculative-steps"
+        timeout 200 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+          --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --max-new-tokens 128 --colocate $extra \
+          --out-dir "$R/spec_services_$mode" > "$R/spec_services_$mode.log" 2>&1
+        cat "$R/spec_services_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_$mode.log"
+      done
+      timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
+      cat "$R/spec_inproc/results.md" 2>/dev/null || tail -5 "$R/spec_inproc.log" ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
       timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \

@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gateway-args", default="",
                    help="services mode: extra flags of the speculative gateway, one string (e.g. "
                         "'--disable-overlap-schedule' for the overlap A/B)")
+    p.add_argument("--target-args", default="",
+                   help="services mode: extra flags of the target process, one string (e.g. "
+                        "'--disable-chained-speculative-steps' or '--disable-run-ahead' for those A/Bs)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--configs", type=SpecConfig.parse, nargs="+", default=None,
                    help="STEPS/TOPK/NDT@TAU each (default: 5/1/6@3.5 8/8/60@6)")
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
               "configs": [dataclasses.asdict(c) for c in configs], "batch_sizes": args.batch_sizes,
-              "draft_device": args.draft_device or args.device, "gateway_args": args.gateway_args}
+              "draft_device": args.draft_device or args.device, "gateway_args": args.gateway_args,
+              "target_args": args.target_args}
     print(LABEL, flush=True)
     if args.mode == "inprocess":
         result["rows"] = bench_inprocess(args, cfg, device, configs)

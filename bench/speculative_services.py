@@ -94,6 +94,7 @@ class Stack:
             target.append("--disable-cuda-graph")
         if args.margin_weights:
             target.append("--synthetic-margin-weights")
+        target += shlex.split(getattr(args, "target_args", "") or "")
         synthetic = ["--synthetic-oracle", str(oracle_path), "--synthetic-accept-rate", repr(rate),
                      "--synthetic-draft-vocab", str(args.draft_vocab), "--random-seed", str(args.seed)]
         if args.head_hidden is not None:

@@ -80,6 +80,14 @@ class ModelDrafter(Proposer):
     # ---- chained speculative steps (runtime/speculative/fused_step.py) ----------------------------------------------
     chainable: bool = False  # subclasses whose state after a static Propose chain_commit can rebuild
 
+    def chain_shapes(self) -> list[SpecShape]:
+        """The shapes a chained run may draft (those with a static step)."""
+        return list(self._static_steps)
+
+    def chain_tree_source(self, spec: SpecShape, max_bs: int, span: int):
+        """Where a chained run's trees come from instead of the draft step's output; None: the draft step's."""
+        return None
+
     def chain_step(self, spec: SpecShape):
         """The static draft step a chained run of this shape drafts with (a plain StaticDraftStep), or None."""
         from runtime.speculative.draft_step import StaticDraftStep

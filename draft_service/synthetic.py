@@ -157,6 +157,7 @@ class SyntheticHead(ModelDrafter):
 
     algorithm = "SYNTHETIC"
     kv_lag = 1  # EAGLE's KV layout: the committed positions [0, C-1)
+    chainable = True  # its features are constants: nothing to keep after a chained run
 
     def __init__(self, target_config: ModelConfig, engine_config: EngineConfig, hidden_size: int | None = None,
                  draft_vocab_size: int = 32000) -> None:
@@ -253,6 +254,46 @@ class SyntheticHead(ModelDrafter):
             parent_hidden = torch.stack(out.hidden)
             nodes = builder.next(torch.log_softmax(torch.stack(out.logits).float(), dim=-1))
         return builder.finalize()  # host readback: the draft's GPU work is done before the tree goes out
+
+
+class SyntheticTrees:
+    """SyntheticProposer._tree as static-shape device code, for speculative steps chained on the device
+    (runtime/speculative/fused_step.py's tree source): per sequence, the oracle token and the keep decision of every
+    position a run may draft at (from its start) and each node's wrong-token offset, loaded once per run; the tree
+    at committed length L is then gathers: node i holds the oracle token of position L + depth_i where it sits on
+    the spine and the keep stream keeps it, else _wrong of it. The same tokens _tree gives while the sequence
+    follows its oracle (a sequence whose tokens left it mid-run gets the oracle's tokens until the run ends: wrong
+    drafts either way, rejected by the target's verify)."""
+
+    def __init__(self, shape: _Shape, vocab_size: int, max_bs: int, span: int, device) -> None:
+        self.vocab_size, self.span = vocab_size, span
+        self.depths = torch.tensor(shape.depths, dtype=torch.long, device=device)
+        self.parents = torch.tensor(shape.parents, dtype=torch.long, device=device)
+        self.spine = torch.tensor(shape.spine, dtype=torch.bool, device=device)
+        m = len(shape.depths)
+        # per sequence: [base (the committed length at the run's start), truth (span), keep (span), offsets (M)]
+        self.rows = torch.zeros(max_bs, 1 + 2 * span + m, dtype=torch.long, device=device)
+
+    def trees(self, b: int, committed_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        span, rows = self.span, self.rows[:b]
+        pos = (committed_len - rows[:, 0]).unsqueeze(1) + self.depths  # (b, M) positions from the run's start
+        pos = pos.clamp(0, span - 1)
+        truth = rows[:, 1:1 + span].gather(1, pos)
+        keep = rows[:, 1 + span:1 + 2 * span].gather(1, pos) > 0
+        wrong = (truth + 1 + rows[:, 1 + 2 * span:]) % self.vocab_size
+        tokens = torch.where(self.spine & keep & (truth >= 0), truth, wrong)
+        return tokens, self.parents.expand(b, -1)
+
+    def load(self, b: int, rows: list[tuple[int, list[int], list[int], list[int]]]) -> None:
+        """rows: per sequence (base, truth, keep, offsets), truth and keep over the run's positions (<= span)."""
+        span = self.span
+        host = torch.zeros(b, self.rows.shape[1], dtype=torch.long)
+        for i, (base, truth, keep, offsets) in enumerate(rows):
+            host[i, 0] = base
+            host[i, 1:1 + len(truth)] = torch.tensor(truth, dtype=torch.long)
+            host[i, 1 + span:1 + span + len(keep)] = torch.tensor(keep, dtype=torch.long)
+            host[i, 1 + 2 * span:] = torch.tensor(offsets, dtype=torch.long)
+        self.rows[:b].copy_(host)
 
 
 @dataclass
@@ -379,6 +420,48 @@ class SyntheticProposer(Proposer):
             if truths[i] >= 0 and self._kept(state, length + shape.depths[i]):
                 out[i] = truths[i]
         return DraftTree(out, list(shape.parents))
+
+    # ---- chained speculative steps (target_service/chained.py): the head drafts for its cost, the oracle the trees
+    @property
+    def chainable(self) -> bool:
+        return self.head is not None
+
+    def chain_shapes(self) -> list[SpecShape]:
+        return self.head.chain_shapes() if self.head is not None else []
+
+    def chain_step(self, spec: SpecShape):
+        return self.head.chain_step(spec) if self.head is not None else None
+
+    def chain_tree_source(self, spec: SpecShape, max_bs: int, span: int) -> SyntheticTrees:
+        shape = self._shapes.get(spec) or self._shapes.setdefault(spec, tree_shape(spec))
+        return SyntheticTrees(shape, self.vocab_size, max_bs, span, self.head.runner.device)
+
+    def chain_tree_rows(self, seq_ids: list[str], spec: SpecShape, span: int) -> list[tuple]:
+        """SyntheticTrees.load's row of each sequence for a run starting at its committed length now, over the
+        `span` positions the run may draft at."""
+        shape = self._shapes[spec]
+        rows = []
+        for seq_id in seq_ids:
+            length, state = len(self._tokens[seq_id]), self._seq[seq_id]
+            full = self._follows_oracle(seq_id)
+            n = len(full) if full is not None else 0
+            truth = [full[length + p] if length + p < n else -1 for p in range(span)]
+            keep = [int(self._kept(state, length + p)) for p in range(span)]
+            offsets = [(o + state.key) % (self.vocab_size - 1) for o in shape.offsets]
+            rows.append((length, truth, keep, offsets))
+        return rows
+
+    def chain_reserve(self, seqs: list[tuple[str, int]], spec: SpecShape, num_steps: int, max_accept: int):
+        if any(len(self._tokens.get(seq_id, ())) != committed_len for seq_id, committed_len in seqs):
+            return None
+        return self.head.chain_reserve(seqs, spec, num_steps, max_accept)
+
+    def chain_commit(self, seq_id: str, new_tokens: list[int], last_feature) -> None:
+        self._tokens[seq_id].extend(new_tokens)
+        self.head.chain_commit(seq_id, new_tokens, last_feature)
+
+    def chain_abort(self, seq_ids: list[str]) -> None:
+        self.head.chain_abort(seq_ids)
 
     def _follows_oracle(self, seq_id: str) -> list[int] | None:
         """The sequence's oracle (prompt + continuation) while its tokens still follow it; None from the first token

@@ -31,17 +31,27 @@ class ChainedSteps:
         from runtime.speculative.fused_step import FusedSteps
 
         verify = self.engine._static_verify
-        chain_step = getattr(self.proposer, "chain_step", None)
-        if verify is None or chain_step is None:
+        if verify is None or not getattr(self.proposer, "chainable", False):
             return []
-        for spec in list(getattr(self.proposer, "_static_steps", {})):
-            draft = chain_step(spec)
+        for spec in self.proposer.chain_shapes():
+            draft = self.proposer.chain_step(spec)
             if draft is None or spec.num_draft_tokens != verify.width or draft.sizes != verify.sizes:
                 continue
-            fused = FusedSteps(verify, draft, max_steps)
+            source = self.proposer.chain_tree_source(spec, verify.max_bs, self._span(spec, draft, max_steps))
+            try:
+                fused = FusedSteps(verify, draft, max_steps, tree_source=source)
+            except ValueError as exc:  # e.g. a draft step whose trees are capped below the served width
+                logger.info("speculative steps of %s are not chained: %s", spec, exc)
+                continue
             fused.capture()
             self.fused[spec] = fused
         return list(self.fused)
+
+    @staticmethod
+    def _span(spec: SpecShape, draft, steps: int) -> int:
+        """Committed positions a chained run of `steps` steps may draft at, from its start: every step's accepted
+        path (at most a whole path and the bonus) then the last tree's depth."""
+        return steps * min(draft.shape.num_draft_tokens, draft.shape.catch_up) + spec.num_steps + 1
 
     def run(self, inputs: list[VerifyInput], steps: int) -> dict[str, StepOutput]:
         """inputs: each sequence's next step (its committed length, root and tree: a tree this draft drafted as its
@@ -71,12 +81,18 @@ class ChainedSteps:
         seqs = [ChainSeq(inp.root_token_id, t_start, d_start, t_table, d_table, list(inp.tree.token_ids),
                          [-1 if p == ROOT else p for p in inp.tree.parents])
                 for inp, (t_start, t_table), (d_start, d_table) in zip(inputs, targets, drafts)]
+        rows = None
+        if fused.tree_source is not None:
+            rows = self.proposer.chain_tree_rows([inp.seq_id for inp in inputs], spec,
+                                                 self._span(spec, fused.draft, steps))
         try:
-            results = fused.run(seqs, steps)
-        except Exception:
+            results = fused.run(seqs, steps, rows)
+        except Exception:  # noqa: BLE001 - a bug here must not fail requests: this shape steps one by one from now
+            logger.exception("chained speculative steps of %s failed; running them step by step from now on", spec)
+            self.fused.pop(spec, None)
             self.engine.chain_abort(inputs)
             self.proposer.chain_abort([inp.seq_id for inp in inputs])
-            raise
+            return {}
         self.num_runs += 1
         self.num_steps += steps * len(inputs)
         outputs = {}

@@ -54,16 +54,23 @@ class ChainResult:
 class FusedSteps:
     """Chains a StaticVerifyStep and a StaticDraftStep of the same tree width and batch buckets."""
 
-    def __init__(self, verify: StaticVerifyStep, draft: StaticDraftStep, max_steps: int = 16) -> None:
+    def __init__(self, verify: StaticVerifyStep, draft: StaticDraftStep, max_steps: int = 16,
+                 tree_source=None) -> None:
+        """tree_source: where the trees of the steps after the first come from instead of the draft step's output
+        (which is then computed for its cost and dropped: SYNTHETIC's oracle trees, draft_service/synthetic.py): an
+        object with `trees(b, committed_len) -> (tokens (b, M), parents (b, M))`, static-shape device code."""
         shape = draft.shape
         if shape.num_draft_tokens != verify.width:
             raise ValueError(f"draft trees of {shape.num_draft_tokens} tokens, verify step of {verify.width}")
         if shape.catch_up < shape.num_steps + 1 or verify.sizes != draft.sizes:
             raise ValueError("the draft step's catch-up must take a whole path and both steps share their buckets")
-        if draft.feature_head and verify.feature_dim != draft.runner.model.feature_size:
+        # A feature head over a target that captures no features (SYNTHETIC's head) keeps the features it has.
+        self.features = draft.feature_head and verify.feature_dim > 0
+        if self.features and verify.feature_dim != draft.runner.model.feature_size:
             raise ValueError(f"verify features of width {verify.feature_dim}, the draft takes "
                              f"{draft.runner.model.feature_size}")
         self.verify, self.draft = verify, draft
+        self.tree_source = tree_source
         self.max_steps = max_steps
         self.sizes, self.max_bs = verify.sizes, verify.max_bs
         self.width = verify.width
@@ -122,7 +129,7 @@ class FusedSteps:
         row = torch.cat([ids, torch.where(valid, at, torch.zeros_like(at)), torch.where(valid, slots, -torch.ones_like(at)),
                          dstart.unsqueeze(1), (dstart + count).unsqueeze(1)], dim=1)
         d.inputs[:b, :d.table_col] = torch.where(live.unsqueeze(1), row, self.draft_pad[:b])
-        if d.feature_head:
+        if self.features:
             feats = verified[b * (2 * w + 1) * 8:].view(v.runner.dtype).view(b, w, -1)
             rows = feats.gather(1, index.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
             rows = torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
@@ -136,7 +143,12 @@ class FusedSteps:
 
     def take_tree(self, b: int, drafted: torch.Tensor) -> None:
         m = self.width - 1
-        self.state[:b, 4:4 + 2 * m] = drafted[:b, :2 * m]
+        if self.tree_source is None:
+            self.state[:b, 4:4 + 2 * m] = drafted[:b, :2 * m]
+            return
+        tokens, parents = self.tree_source.trees(b, self.state[:b, 1] + 1)  # at the committed length after the step
+        self.state[:b, 4:4 + m] = tokens
+        self.state[:b, 4 + m:4 + 2 * m] = parents
 
     # ---- capture / run -------------------------------------------------------------------------------------------
     def _buffers(self, b: int) -> None:
@@ -147,7 +159,7 @@ class FusedSteps:
     def _new_buffers(self, b: int) -> None:
         dev = self.state.device
         self.records[b] = torch.zeros(self.max_steps, b, self.width + 1, dtype=torch.int64, device=dev)
-        feature_dim = self.verify.feature_dim if self.draft.feature_head else 1
+        feature_dim = self.verify.feature_dim if self.features else 1
         self.last_features[b] = torch.zeros(b, feature_dim, dtype=self.verify.runner.dtype, device=dev)
 
     def capture(self) -> None:
@@ -181,9 +193,9 @@ class FusedSteps:
         """Block tables are checked where the KV is reserved (TargetEngine.chain_reserve, ModelDrafter's)."""
         return 1 <= num_seqs <= self.max_bs and 1 <= num_steps <= self.max_steps
 
-    def run(self, seqs: list[ChainSeq], num_steps: int) -> list[ChainResult]:
+    def run(self, seqs: list[ChainSeq], num_steps: int, tree_rows=None) -> list[ChainResult]:
         """num_steps chained (verify, draft) steps of these sequences; one host->device copy per step object before,
-        one device->host copy after."""
+        one device->host copy after. tree_rows: what the tree source loads for these sequences (its `load`)."""
         num = len(seqs)
         b = self.verify.bucket_for(num)
         self._buffers(b)
@@ -200,6 +212,8 @@ class FusedSteps:
             srows[i, 4:4 + m] = s.tree_tokens
             srows[i, 4 + m:4 + 2 * m] = s.tree_parents
         with torch.inference_mode():
+            if self.tree_source is not None:
+                self.tree_source.load(b, tree_rows)
             return self._run(seqs, num_steps, b, vhost, dhost, state)
 
     def _run(self, seqs, num_steps, b, vhost, dhost, state) -> list[ChainResult]:
@@ -240,6 +254,6 @@ class FusedSteps:
                 steps.append(row[:row[self.width]])
             tree = trees[i * 2 * m:(i + 1) * 2 * m]
             count = sum(1 for t in tree[:m] if t >= 0)
-            feature = self.last_features[b][i].clone() if d.feature_head else None
+            feature = self.last_features[b][i].clone() if self.features else None
             results.append(ChainResult(steps, tree[:count], tree[m:m + count], feature))
         return results

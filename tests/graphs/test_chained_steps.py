@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from tests.stack import generate_ids, local_stack
 from tests.test_colocate import _draft, models  # noqa: F401 - the module fixture: tiny target + its drafts
@@ -143,4 +144,92 @@ async def test_chained_steps_with_run_ahead_hits_and_misses(models):
         for (i, prompt), (got, _, _) in zip(cases, results):
             assert got == hf_greedy(hf, prompt, 18 + 5 * i)
         assert servicer.run_ahead_counts["hit"] > 0 and servicer.chained.num_runs > 0, servicer.run_ahead_counts
+        await _assert_no_kv_leak(scheduler)
+
+
+async def _synthetic_run(target, oracle, prompts_, rate, spec, k, chain):
+    """SYNTHETIC with its head co-located and the static steps (the services' way in bench/speculative.py
+    --colocate): (outputs, accepted drafts per request, chained runs)."""
+    from draft_service.synthetic import SyntheticHead, SyntheticProposer
+    from gateway.clients import DraftClient, TargetClient
+    from gateway.scheduler import Scheduler, SchedulerConfig, SpecConfig
+    from runtime.config import EngineConfig, ModelConfig
+    from runtime.model_runner import ModelRunner
+    from target_service.engine import TargetEngine
+    from target_service.server import serve_target
+
+    config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=8192, attention_backend="triton")
+    target_config = ModelConfig.from_pretrained(str(target))
+    proposer = SyntheticProposer(rate, target_config.vocab_size, oracle, seed=0,
+                                 head=SyntheticHead(target_config, config, 64, 256))
+    assert proposer.enable_static_step(spec, max_bs=4)
+    engine = TargetEngine(ModelRunner(str(target), config))
+    assert engine.enable_static_verify(spec.num_draft_tokens, max_bs=4)
+    server, port = await serve_target(engine, str(target), "127.0.0.1", 0, inline_steps=False, proposer=proposer,
+                                      chain_steps=chain)
+    tclient, dclient = TargetClient(f"127.0.0.1:{port}"), DraftClient(f"127.0.0.1:{port}")
+    info = await tclient.info()
+    scheduler = Scheduler(targets=[tclient], drafts=[dclient], tokenizer=None, model_name="tiny",
+                          max_context_len=info.max_context_len, vocab_size=info.vocab_size, eos_token_ids=[],
+                          spec=SpecConfig("SYNTHETIC", spec.num_steps, spec.topk, spec.num_draft_tokens),
+                          config=SchedulerConfig(max_running_requests=8, request_timeout_s=120, drafts_on_target=True,
+                                                 speculative_steps_per_call=k))
+    await scheduler.start()
+    try:
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 20, request_id=f"y{i}")
+                                         for i, p in enumerate(prompts_)))
+    finally:
+        await scheduler.close()
+        await tclient.close()
+        await dclient.close()
+        await server.stop(grace=None)
+    runs = server.servicer.chained.num_runs if server.servicer.chained is not None else 0
+    return [r[0] for r in results], [r[1].accepted_draft_tokens for r in results], runs
+
+
+@pytest.mark.parametrize("steps,topk,ndt", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+async def test_synthetic_chained_trees_equal_the_host_oracle(tmp_path, steps, topk, ndt):
+    """SYNTHETIC (benchmarks only) chains too: its head's static step runs for its cost while the trees come from
+    the oracle on the device (draft_service/synthetic.py SyntheticTrees). Greedy == HF, and every request accepts
+    exactly as many drafts as with the host's trees step by step (the same trees, position by position)."""
+    import transformers
+
+    from core.steps import SpecShape
+    from draft_service.synthetic import Oracle
+    from tests.tiny_models import make_tiny_model
+
+    target = make_tiny_model("llama", tmp_path / "target")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ps = prompts(hf.config.vocab_size)[:3]
+    oracle = Oracle({tuple(p): hf_greedy(hf, p, 20 + steps) for p in ps[:2]})  # the third: unknown to it
+    spec = SpecShape(steps, topk, ndt)
+    chained = await _synthetic_run(target, oracle, ps, 0.7, spec, 3, chain=True)
+    plain = await _synthetic_run(target, oracle, ps, 0.7, spec, 3, chain=False)
+    for p, got in zip(ps, chained[0]):
+        assert got == hf_greedy(hf, p, 20)
+    assert chained[0] == plain[0] and chained[1] == plain[1], (chained[1], plain[1])
+    assert chained[2] > 0 and plain[2] == 0
+    assert sum(chained[1][:2]) > 0
+
+
+async def test_a_failing_chained_run_falls_back_to_steps_one_by_one(models, monkeypatch):
+    """A chained run that raises (a bug, not a request's fault) leaves target and draft as they were; the call runs
+    its steps one by one and that shape is not chained again: the output is still HF's, no KV is left behind."""
+    from runtime.speculative.fused_step import FusedSteps
+
+    path, _, hf = models
+
+    def broken(self, *args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(FusedSteps, "_run", broken)
+    async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
+                           topk=1, num_draft_tokens=4, colocate=True, static_steps=True, inline_steps=False,
+                           num_continuous_decode_steps=3) as scheduler:
+        chained = scheduler.test_servicers[0].chained
+        assert chained.fused
+        prompt = prompts(hf.config.vocab_size)[0]
+        got, _, _ = await generate_ids(scheduler, prompt, 16)
+        assert got == hf_greedy(hf, prompt, 16)
+        assert not chained.fused and chained.num_runs == 0
         await _assert_no_kv_leak(scheduler)
