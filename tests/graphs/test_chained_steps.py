@@ -64,33 +64,55 @@ async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models)
         assert ids == reference[:first + 1]
 
 
-async def test_a_chained_run_reads_back_once(models, monkeypatch):
-    """Host readbacks of a chained run: one device->host copy for all its steps (StaticStep.read_back), counted; and
-    a whole Verify call runs chained, its first step included."""
-    from runtime.speculative import static_step
-    from runtime.speculative.fused_step import FusedSteps
+@pytest.mark.parametrize("num_seqs", [1, 6])
+async def test_a_chained_call_reads_the_device_back_once(models, monkeypatch, num_seqs):
+    """Host reads of a chained call (ChainedSteps.run: the reservations, the device run, the commits) at batch 1 and
+    6: one device->host copy for all its steps — a static step's read_back, and any .tolist / .item / .cpu of a
+    tensor it did not return (host memory already on a GPU; on CPU the device's output itself). And a whole Verify
+    call runs chained, its first step included."""
+    import threading
+
+    from runtime.speculative.static_step import StaticStep
+    from target_service.chained import ChainedSteps
 
     path, _, hf = models
-    reads, runs = [0], [0]
-    read_back = static_step.StaticStep.read_back
+    active, counts, read = {}, [], set()  # active: thread id -> reads so far in its chained call
+    original_read_back = StaticStep.read_back
 
-    def counting(self, out):
-        reads[0] += 1
-        return read_back(self, out)
+    def read_back(step, out):
+        me = threading.get_ident()
+        if me in active:
+            active[me] += 1
+        host = original_read_back(step, out)
+        read.add(host.untyped_storage().data_ptr())
+        return host
 
-    run = FusedSteps._run
+    monkeypatch.setattr(StaticStep, "read_back", read_back)
+    for name in ("tolist", "item", "cpu"):
+        def counted(t, *a, _original=getattr(torch.Tensor, name), **kw):
+            me = threading.get_ident()
+            if me in active and t.untyped_storage().data_ptr() not in read:
+                active[me] += 1
+            return _original(t, *a, **kw)
 
-    def counted_run(self, *args):
-        before = reads[0]
-        result = run(self, *args)
-        runs.append(reads[0] - before)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    run = ChainedSteps.run
+
+    def counted_run(self, inputs, steps):
+        me = threading.get_ident()
+        active[me] = 0
+        try:
+            result = run(self, inputs, steps)
+        finally:
+            n = active.pop(me)
+        if result:
+            counts.append((len(inputs), n))
         return result
 
-    monkeypatch.setattr(static_step.StaticStep, "read_back", counting)
-    monkeypatch.setattr(FusedSteps, "_run", counted_run)
+    monkeypatch.setattr(ChainedSteps, "run", counted_run)
     async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
                            topk=2, num_draft_tokens=6, colocate=True, static_steps=True, inline_steps=False,
-                           num_continuous_decode_steps=6) as scheduler:
+                           static_max_bs=8, num_continuous_decode_steps=6) as scheduler:
         engine, plain = scheduler.test_engine, [0]
         verify = engine.verify
 
@@ -99,13 +121,17 @@ async def test_a_chained_run_reads_back_once(models, monkeypatch):
             return verify(inputs)
 
         engine.verify = counted_verify
-        prompt = prompts(hf.config.vocab_size)[1]
-        got, _, _ = await generate_ids(scheduler, prompt, 30)
-        assert got == hf_greedy(hf, prompt, 30)
-    assert len(runs) > 1 and all(n == 1 for n in runs[1:]), runs
-    # the first tree came with the Prefill, so every Verify call ran chained, its first step too (the last one,
-    # cut short by the length limit, may not: it then verifies step by step)
-    assert plain[0] <= 1, plain
+        base = prompts(hf.config.vocab_size)
+        cases = [base[i % 3] + [5 + i] * (i // 3) for i in range(num_seqs)]
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 18, request_id=f"b{i}")
+                                         for i, p in enumerate(cases)))
+        for p, (got, _, _) in zip(cases, results):
+            assert got == hf_greedy(hf, p, 18)
+    assert counts and all(n == 1 for _, n in counts), counts
+    assert max(size for size, _ in counts) == num_seqs
+    # the first trees came with the Prefills, so the Verify calls ran chained from their first step (the last ones,
+    # cut short by the length limit, or calls whose batch changed, may not)
+    assert plain[0] <= 2, plain
 
 
 def test_fused_steps_refuse_mismatched_shapes(models):
