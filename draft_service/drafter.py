@@ -95,28 +95,28 @@ class ModelDrafter(Proposer):
         step = self._static_steps.get(spec)
         return step if self.chainable and type(step) is StaticDraftStep else None
 
+    def chain_ready(self, seq_id: str, committed_len: int, spec: SpecShape, num_steps: int, max_accept: int) -> bool:
+        """Whether this sequence can take a chained run of num_steps steps: exactly as a static Propose of its last
+        tree left it (its tokens, KV end, no pre-drafted rows), with room for the run."""
+        step = self.chain_step(spec)
+        tokens = self._tokens.get(seq_id)
+        if (step is None or tokens is None or len(tokens) != committed_len or not self.runner.has_seq(seq_id)
+                or self.runner.kv_len(seq_id) != committed_len - self.kv_lag or not self._chain_ready(seq_id)):
+            return False
+        total = self._chain_total(committed_len, spec, num_steps, max_accept)
+        return (total + self.kv_lag < self.runner.model_config.max_position_embeddings
+                and self.runner.block_manager.blocks_for(total) <= step.max_blocks)
+
+    def _chain_total(self, committed_len: int, spec: SpecShape, num_steps: int, max_accept: int) -> int:
+        """Draft KV a chained run may write: every step's catch-up as long as it can be, the tree nodes after."""
+        return committed_len - self.kv_lag + num_steps * max_accept + spec.num_steps * spec.topk
+
     def chain_reserve(self, seqs: list[tuple[str, int]], spec: SpecShape, num_steps: int,
                       max_accept: int) -> list[tuple[int, list[int]]] | None:
-        """seqs: (seq_id, committed length). For a chained run of num_steps steps: every sequence exactly as a
-        static Propose of its last tree left it (its tokens, KV end, no pre-drafted rows), room for the run; reserves
-        the worst case's draft KV (every step's catch-up as long as it can be, the tree nodes after), all or nothing.
+        """seqs: (seq_id, committed length), each chain_ready. Reserves the worst case's draft KV, all or nothing.
         Returns each sequence's (catch-up start, block table), or None: nothing changed."""
-        step = self.chain_step(spec)
-        if step is None:
-            return None
-        scratch = spec.num_steps * spec.topk
-        totals = {}
-        for seq_id, committed_len in seqs:
-            tokens = self._tokens.get(seq_id)
-            start = committed_len - self.kv_lag
-            if (tokens is None or len(tokens) != committed_len or not self.runner.has_seq(seq_id)
-                    or self.runner.kv_len(seq_id) != start or not self._chain_ready(seq_id)):
-                return None
-            total = start + num_steps * max_accept + scratch
-            if total + self.kv_lag >= self.runner.model_config.max_position_embeddings \
-                    or self.runner.block_manager.blocks_for(total) > step.max_blocks:
-                return None
-            totals[seq_id] = total
+        totals = {seq_id: self._chain_total(committed_len, spec, num_steps, max_accept)
+                  for seq_id, committed_len in seqs}
         try:
             self.runner.reserve(totals)
         except OutOfKVBlocks:

@@ -451,9 +451,11 @@ class SyntheticProposer(Proposer):
             rows.append((length, truth, keep, offsets))
         return rows
 
+    def chain_ready(self, seq_id: str, committed_len: int, spec: SpecShape, num_steps: int, max_accept: int) -> bool:
+        return (len(self._tokens.get(seq_id, ())) == committed_len
+                and self.head.chain_ready(seq_id, committed_len, spec, num_steps, max_accept))
+
     def chain_reserve(self, seqs: list[tuple[str, int]], spec: SpecShape, num_steps: int, max_accept: int):
-        if any(len(self._tokens.get(seq_id, ())) != committed_len for seq_id, committed_len in seqs):
-            return None
         return self.head.chain_reserve(seqs, spec, num_steps, max_accept)
 
     def chain_commit(self, seq_id: str, new_tokens: list[int], last_feature) -> None:

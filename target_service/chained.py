@@ -1,11 +1,13 @@
 """Continuous speculative steps of a target and the draft in its process, chained on the device
-(runtime/speculative/fused_step.py): the k - 1 steps of a Verify call after its first one run as one device run with
-one readback, instead of two host round trips (verify readback, draft readback) per step.
+(runtime/speculative/fused_step.py): a Verify call's k steps run as one device run with one readback, instead of two
+host round trips (verify readback, draft readback) per step.
 
-Used by TargetServicer._speculative_steps where every sequence of the run can take it (greedy without logprobs or
-penalties, the served tree shape with static verify and draft steps, draft state exactly as its last static Propose
-left it); anything else, and any run whose KV reservation fails, takes the step-by-step loop. Output is the loop's:
-the same static steps run the same device code, and the commit applies stops and length limits step by step."""
+Used by TargetServicer for the sequences of a call that can take it (greedy without logprobs or penalties, the served
+tree shape with static verify and draft steps, target and draft exactly as the last static Propose left them, room
+for the run): the whole call when its trees are the draft's last proposals (`_chain_call`), else the steps after
+the first (`_chained_steps`). The other sequences of the call, and any run whose KV reservation fails, take the
+step-by-step path in the same call. Output is that path's: the same static steps run the same device code, and the
+commit applies stops and length limits step by step."""
 from __future__ import annotations
 
 import logging
@@ -47,6 +49,13 @@ class ChainedSteps:
             self.fused[spec] = fused
         return list(self.fused)
 
+    def _ready(self, inp: VerifyInput, spec: SpecShape, steps: int, max_accept: int) -> bool:
+        # a tree no deeper than the draft's steps: its accepted path fits the catch-up window and the KV reserved
+        return (inp.propose_next == spec and inp.tree.draft_probs is None and bool(inp.tree.token_ids)
+                and max(inp.tree.depths()) < spec.num_steps
+                and self.engine.chain_ready(inp, steps, max_accept)
+                and self.proposer.chain_ready(inp.seq_id, inp.committed_len, spec, steps, max_accept))
+
     @staticmethod
     def _span(spec: SpecShape, draft, steps: int) -> int:
         """Committed positions a chained run of `steps` steps may draft at, from its start: every step's accepted
@@ -54,19 +63,20 @@ class ChainedSteps:
         return steps * min(draft.shape.num_draft_tokens, draft.shape.catch_up) + spec.num_steps + 1
 
     def run(self, inputs: list[VerifyInput], steps: int) -> dict[str, StepOutput]:
-        """inputs: each sequence's next step (its committed length, root and tree: a tree this draft drafted as its
-        last static Propose left it). Runs `steps` chained steps of all of them when it can (else {}): the outcome
-        of each, as one output covering the steps (tokens, counts, the proposal drafted after the last step)."""
+        """inputs: each sequence's next step (its committed length, root and tree: a tree this draft drafted, as its
+        last static Propose left it). Runs `steps` chained steps of those that can take them — the served shape,
+        greedy without logprobs or penalties, target and draft where the tree left them, room for the run — and
+        returns the outcome of each of those, as one output covering the steps (tokens, counts, the proposal drafted
+        after the last step); the others (absent) run as usual."""
         if not inputs or steps < 1:
             return {}
         spec = inputs[0].propose_next
         fused = self.fused.get(spec)
-        if fused is None or any(inp.propose_next != spec or inp.tree.draft_probs is not None for inp in inputs):
+        if fused is None:
             return {}
         steps = min(steps, fused.max_steps)
-        # a tree no deeper than the draft's steps: its accepted path fits the catch-up window and the KV reserved
-        if not fused.fits(len(inputs), steps) or any(
-                inp.tree.token_ids and max(inp.tree.depths()) >= spec.num_steps for inp in inputs):
+        inputs = [inp for inp in inputs if self._ready(inp, spec, steps, fused.max_accept)][:fused.max_bs]
+        if not inputs:
             return {}
         targets = self.engine.chain_reserve(inputs, steps, fused.max_accept)
         if targets is None:

@@ -465,33 +465,36 @@ class TargetEngine:
         return True
 
     # ---------------------------------------------------------------- chained speculative steps
-    def chain_reserve(self, inputs: list[VerifyInput], num_steps: int, max_accept: int) -> list[tuple[int, list[int]]] | None:
-        """For runtime/speculative/fused_step.py: num_steps greedy steps of these sequences chained on the device, each
-        verifying a tree of the static verify step's width and emitting at most max_accept tokens. Checks every
-        sequence (known, at the committed length named, greedy without logprobs or penalties, room for the run
-        below its context end) and reserves the worst case's KV, all or nothing. Returns each sequence's (verify
-        region start, block table), or None: nothing changed, run the steps one by one."""
+    def chain_ready(self, inp: VerifyInput, num_steps: int, max_accept: int) -> bool:
+        """Whether this sequence can take num_steps greedy steps chained on the device (runtime/speculative/
+        fused_step.py), each verifying a tree of the static verify step's width and emitting at most max_accept
+        tokens: known, at the committed length named, greedy without logprobs or penalties, room for the run below
+        its context end and within the step's block tables."""
         step = self._static_verify
-        if step is None or not self._fast_greedy(inputs):
-            return None
-        bm = self.runner.block_manager
-        totals = {}
-        for inp in inputs:
-            seq = self._seqs.get(inp.seq_id)
-            if (seq is None or inp.seq_id in self._pending or inp.committed_len != len(seq.token_ids)
-                    or seq.token_ids[-1] != inp.root_token_id or len(inp.tree.token_ids) != step.width - 1):
-                return None
-            start = len(seq.token_ids) - 1
-            if self.runner.kv_len(inp.seq_id) != start or self.runner.region_start(inp.seq_id) is not None:
-                return None
-            total = start + (num_steps - 1) * max_accept + step.width
-            if total + 1 > self.max_context_len or bm.blocks_for(total) > step.max_blocks:
-                return None
-            totals[inp.seq_id] = total
+        seq = self._seqs.get(inp.seq_id)
+        if (step is None or seq is None or not self._fast_greedy([inp]) or inp.seq_id in self._pending
+                or inp.committed_len != len(seq.token_ids) or seq.token_ids[-1] != inp.root_token_id
+                or len(inp.tree.token_ids) != step.width - 1):
+            return False
+        start = len(seq.token_ids) - 1
+        if self.runner.kv_len(inp.seq_id) != start or self.runner.region_start(inp.seq_id) is not None:
+            return False
+        total = self._chain_total(start, num_steps, max_accept)
+        return total + 1 <= self.max_context_len and self.runner.block_manager.blocks_for(total) <= step.max_blocks
+
+    def _chain_total(self, start: int, num_steps: int, max_accept: int) -> int:
+        return start + (num_steps - 1) * max_accept + self._static_verify.width
+
+    def chain_reserve(self, inputs: list[VerifyInput], num_steps: int, max_accept: int) -> list[tuple[int, list[int]]] | None:
+        """The worst case's KV of a chained run of these (chain_ready) sequences, all or nothing. Returns each
+        sequence's (verify region start, block table), or None: nothing changed."""
+        totals = {inp.seq_id: self._chain_total(self.runner.kv_len(inp.seq_id), num_steps, max_accept)
+                  for inp in inputs}
         try:
             self.runner.reserve(totals)
         except OutOfKVBlocks:
             return None
+        bm = self.runner.block_manager
         return [(self.runner.kv_len(inp.seq_id), bm.block_table(inp.seq_id)) for inp in inputs]
 
     def chain_commit(self, inp: VerifyInput, steps: list[list[int]]) -> StepOutput:

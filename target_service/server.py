@@ -125,11 +125,18 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def _steps(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float]:
         """A Verify call's model work (on the ModelWorker): the verify forward (and plain decode steps); with
         propose_next, the next tree drafted here and num_decode_steps - 1 more speculative steps (verify, then draft)
-        back to back. Returns the outputs and the milliseconds of verify forwards; the inputs are left as they came
-        (a run-ahead compares them with the next call's)."""
-        chained = self._chain_call(inputs)
-        if chained is not None:
-            return chained
+        back to back — chained on the device for the sequences that can be (`_chain_call`), one by one for the
+        others. Returns the outputs and the milliseconds of verify forwards; the inputs are left as they came (a
+        run-ahead compares them with the next call's)."""
+        chained, forward_ms = self._chain_call(inputs)
+        rest = [inp for inp in inputs if inp.seq_id not in chained]
+        if rest:
+            outputs, ms = self._steps_one_by_one(rest)
+            chained.update((out.seq_id, out) for out in outputs)
+            forward_ms += ms
+        return [chained[inp.seq_id] for inp in inputs], forward_ms
+
+    def _steps_one_by_one(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float]:
         # features the caller asked for; a feature draft in this process gets those of propose_next steps either way
         feeds_draft = self.drafter is not None and self.drafter.proposer.needs_features
         work = [dataclasses.replace(inp, return_features=inp.return_features or feeds_draft,
@@ -265,9 +272,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     out.features = torch.cat([out.features, res.features])
 
     def _chained_steps(self, runs: list[tuple]) -> float:
-        """The steps every run still wants, chained on the device when all of them can be (target_service/chained.py:
-        one readback for all the steps instead of two per step); each output then covers them. Returns the
-        milliseconds spent (0: nothing ran, the step-by-step loop does it all)."""
+        """The steps the runs still want, chained on the device for those that can be (target_service/chained.py:
+        one readback for all the steps instead of two per step); each of their outputs then covers them, the others
+        are left to the step-by-step loop. Returns the milliseconds spent."""
         runs = [(inp, out, k, asked) for inp, out, k, asked in runs
                 if out.status == Status.OK and out.finish_reason is None and out.proposal is not None
                 and out.proposal.status == Status.OK and out.proposal.tree.token_ids and not asked]
@@ -282,7 +289,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if not results:
             return 0.0
         for _, out, _, _ in runs:
-            res = results[out.seq_id]
+            res = results.get(out.seq_id)
+            if res is None:  # not chained: the step-by-step loop runs its steps
+                continue
             out.token_ids += res.token_ids
             out.num_accepted_drafts += res.num_accepted_drafts
             out.num_draft_tokens += res.num_draft_tokens
@@ -296,22 +305,21 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             self.drafter.leases.touch(list(results))
         return results
 
-    def _chain_call(self, inputs: list[VerifyInput]) -> tuple[list[StepOutput], float] | None:
-        """The whole call chained on the device, its first step too, when every sequence verifies a full tree of the
-        served shape (drafted here as the last call's proposal) for the same number of steps and the target and
-        draft are exactly where that proposal left them: one host->device copy and one readback for the call.
-        None: the call runs as usual."""
-        if self.chained is None or not inputs:
-            return None
-        k = inputs[0].num_decode_steps
-        if any(inp.propose_next is None or inp.return_features or not inp.tree.token_ids
-               or inp.num_decode_steps != k for inp in inputs):
-            return None
+    def _chain_call(self, inputs: list[VerifyInput]) -> tuple[dict[str, StepOutput], float]:
+        """The sequences of the call that verify a full tree of the served shape (drafted here as the last call's
+        proposal) with target and draft exactly where that proposal left them, all their steps chained on the
+        device, the first one too: one host->device copy and one readback for them (target_service/chained.py).
+        Returns their outputs by sequence (the rest run as usual) and the milliseconds spent."""
+        if self.chained is None:
+            return {}, 0.0
+        candidates = [inp for inp in inputs if inp.propose_next is not None and not inp.return_features
+                      and inp.tree.token_ids]
+        if not candidates:
+            return {}, 0.0
+        k = candidates[0].num_decode_steps
         start = time.perf_counter()
-        results = self._run_chained(inputs, k)
-        if not results:
-            return None
-        return [results[inp.seq_id] for inp in inputs], (time.perf_counter() - start) * 1e3
+        results = self._run_chained([inp for inp in candidates if inp.num_decode_steps == k], k)
+        return results, (time.perf_counter() - start) * 1e3 if results else 0.0
 
     def _propose_next(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
         """VerifyInput.propose_next: this process's draft drafts the next tree of every sequence still running, from

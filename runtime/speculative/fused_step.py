@@ -189,10 +189,6 @@ class FusedSteps:
         logger.info("fused speculative steps: captured the glue graphs of batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - t0)
 
-    def fits(self, num_seqs: int, num_steps: int) -> bool:
-        """Block tables are checked where the KV is reserved (TargetEngine.chain_reserve, ModelDrafter's)."""
-        return 1 <= num_seqs <= self.max_bs and 1 <= num_steps <= self.max_steps
-
     def run(self, seqs: list[ChainSeq], num_steps: int, tree_rows=None) -> list[ChainResult]:
         """num_steps chained (verify, draft) steps of these sequences; one host->device copy per step object before,
         one device->host copy after. tree_rows: what the tree source loads for these sequences (its `load`)."""

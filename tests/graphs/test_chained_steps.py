@@ -259,3 +259,25 @@ async def test_a_failing_chained_run_falls_back_to_steps_one_by_one(models, monk
         assert got == hf_greedy(hf, prompt, 16)
         assert not chained.fused and chained.num_runs == 0
         await _assert_no_kv_leak(scheduler)
+
+
+async def test_a_mixed_batch_chains_its_greedy_sequences_and_steps_the_sampled_one(models):
+    """A greedy request beside a longer sampled one (every call of the greedy one is in a mixed batch): the greedy
+    sequence's steps are chained, the sampled one's run one by one in the same calls. Greedy == HF; the sampled
+    tokens equal the stack's without chaining for the same seed."""
+    path, _, hf = models
+    greedy_prompt, sampled_prompt = prompts(hf.config.vocab_size)[:2]
+    sampled = {}
+    for chain in (True, False):
+        async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
+                               topk=1, num_draft_tokens=4, colocate=True, static_steps=True, inline_steps=False,
+                               num_continuous_decode_steps=3, chain_steps=chain) as scheduler:
+            (got, _, _), (tokens, _, _) = await asyncio.gather(
+                generate_ids(scheduler, greedy_prompt, 16, request_id="g"),
+                generate_ids(scheduler, sampled_prompt, 40, temperature=0.8, seed=5, request_id="s"))
+            assert got == hf_greedy(hf, greedy_prompt, 16)
+            sampled[chain] = tokens
+            if chain:
+                assert scheduler.test_servicers[0].chained.num_runs > 0
+            await _assert_no_kv_leak(scheduler)
+    assert sampled[True] == sampled[False] and len(sampled[True]) == 40
