@@ -4,8 +4,9 @@
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
 # Stages: chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: all, in order). `step` first: the static draft/verify steps (bench/results/gpu_step_h200/NOTES.md) --
-# their GPU tests, then the served configuration in-process with static vs eager steps and the opt-in static verify.
+# (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained8b`
+# (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
+# steps under chaining), `adaptive`, `profile_serve`.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -251,9 +251,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                     and out.proposal is not None and out.proposal.status == Status.OK]
             if not runs:
                 return forward_ms
-            nexts = [dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
-                                         root_token_id=out.token_ids[-1], tree=out.proposal.tree)
-                     for inp, out, _, _ in runs]
+            nexts = [self._next_step(inp, out) for inp, out, _, _ in runs]
             results = self.engine.verify(nexts)
             forward_ms += self.engine.last_forward_ms
             self._propose_next(nexts, results)
@@ -261,15 +259,26 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 if res.status != Status.OK:  # the steps before stand; the next call meets the problem again
                     out.proposal = None
                     continue
-                out.token_ids += res.token_ids
-                out.num_accepted_drafts += res.num_accepted_drafts
-                out.num_draft_tokens += res.num_draft_tokens
-                out.num_steps += res.num_steps
-                out.finish_reason, out.proposal = res.finish_reason, res.proposal
-                if out.logprobs is not None and res.logprobs:
-                    out.logprobs += res.logprobs
-                if asked and out.features is not None and res.features is not None:
-                    out.features = torch.cat([out.features, res.features])
+                self._extend(out, res, asked)
+
+    @staticmethod
+    def _next_step(inp: VerifyInput, out: StepOutput) -> VerifyInput:
+        """The input of a sequence's next speculative step: from its new committed end, the tree drafted last."""
+        return dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
+                                   root_token_id=out.token_ids[-1], tree=out.proposal.tree)
+
+    @staticmethod
+    def _extend(out: StepOutput, res: StepOutput, features: bool) -> None:
+        """A call's output `out` covers the steps of `res` too (features: the caller asked for them)."""
+        out.token_ids += res.token_ids
+        out.num_accepted_drafts += res.num_accepted_drafts
+        out.num_draft_tokens += res.num_draft_tokens
+        out.num_steps += res.num_steps
+        out.finish_reason, out.proposal = res.finish_reason, res.proposal
+        if out.logprobs is not None and res.logprobs:
+            out.logprobs += res.logprobs
+        if features and out.features is not None and res.features is not None:
+            out.features = torch.cat([out.features, res.features])
 
     def _chained_steps(self, runs: list[tuple]) -> float:
         """The steps the runs still want, chained on the device for those that can be (target_service/chained.py:
@@ -281,22 +290,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         if self.chained is None or not runs:
             return 0.0
         steps = min(k - out.num_steps for _, out, k, _ in runs)
-        nexts = [dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
-                                     root_token_id=out.token_ids[-1], tree=out.proposal.tree)
-                 for inp, out, _, _ in runs]
         start = time.perf_counter()
-        results = self._run_chained(nexts, steps)
+        results = self._run_chained([self._next_step(inp, out) for inp, out, _, _ in runs], steps)
         if not results:
             return 0.0
         for _, out, _, _ in runs:
-            res = results.get(out.seq_id)
-            if res is None:  # not chained: the step-by-step loop runs its steps
-                continue
-            out.token_ids += res.token_ids
-            out.num_accepted_drafts += res.num_accepted_drafts
-            out.num_draft_tokens += res.num_draft_tokens
-            out.num_steps += res.num_steps
-            out.finish_reason, out.proposal = res.finish_reason, res.proposal
+            if out.seq_id in results:  # (the others: the step-by-step loop runs their steps)
+                self._extend(out, results[out.seq_id], False)
         return (time.perf_counter() - start) * 1e3
 
     def _run_chained(self, inputs: list[VerifyInput], steps: int) -> dict[str, StepOutput]:
