@@ -94,8 +94,8 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "--colocate-draft, or the same plain decode steps) while the answer travels and the gateway "
                             "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
                             "rolls its run-ahead back (lossless either way). Greedy sequences only. Default: on for a "
-                            "CUDA target that decodes plainly or drafts in its own process (not UNO), off elsewhere "
-                            "(bench/results/session13_h200)")
+                            "CUDA target (one rank) that decodes plainly or drafts in its own process (not UNO), off "
+                            "elsewhere (bench/results/session13_h200)")
         g.add_argument("--disable-run-ahead", action="store_true",
                        help="never run the next call ahead (the A/B switch of the default above)")
     if tp:
@@ -260,16 +260,17 @@ def run_ahead(args: argparse.Namespace) -> bool:
     """Run-ahead in effect for a target (process) with these flags: --enable-run-ahead / --disable-run-ahead, else on
     where an H200 measured it faster (bench/results/session13_h200, the demo family through `tandem serve`, batch 1:
     plain decoding 1.12x, STANDALONE co-located 1.17x, EAGLE3 5/4/16 co-located and chained 1.12x; Llama-3.1-8B plain
-    decoding through the services 1.05x): a CUDA target that decodes plainly or drafts in its own process. Not on CPU
-    (the run-ahead competes with the gateway for the same cores: no gain, bench/results/session11_cpu), not UNO (its
-    verify consumes a clean root its self-draft left pending)."""
+    decoding through the services 1.05x): a CUDA target (one rank) that decodes plainly or drafts in its own process.
+    Not on CPU (the run-ahead competes with the gateway for the same cores: no gain, bench/results/session11_cpu), not
+    UNO (its verify consumes a clean root its self-draft left pending), not tensor-parallel (not measured)."""
     if getattr(args, "disable_run_ahead", False):
         return False
     if getattr(args, "enable_run_ahead", False):
         return True
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     on_cuda = str(getattr(args, "device", "")).startswith("cuda") or getattr(args, "base_gpu_id", None) is not None
-    return on_cuda and (not entry.drafts or colocates_draft(args))
+    single = getattr(args, "tp_size", 1) == 1  # (tensor-parallel targets: not measured)
+    return on_cuda and single and (not entry.drafts or colocates_draft(args))
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -485,7 +485,8 @@ class TargetEngine:
     def _chain_total(self, start: int, num_steps: int, max_accept: int) -> int:
         return start + (num_steps - 1) * max_accept + self._static_verify.width
 
-    def chain_reserve(self, inputs: list[VerifyInput], num_steps: int, max_accept: int) -> list[tuple[int, list[int]]] | None:
+    def chain_reserve(self, inputs: list[VerifyInput], num_steps: int,
+                      max_accept: int) -> list[tuple[int, list[int]]] | None:
         """The worst case's KV of a chained run of these (chain_ready) sequences, all or nothing. Returns each
         sequence's (verify region start, block table), or None: nothing changed."""
         totals = {inp.seq_id: self._chain_total(self.runner.kv_len(inp.seq_id), num_steps, max_accept)

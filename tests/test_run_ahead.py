@@ -152,6 +152,7 @@ def test_serve_passes_run_ahead_to_every_target_process():
     (["--device", "cuda", "--speculative-algorithm", "EAGLE3"], False),  # a draft pod of its own chooses the trees
     (["--device", "cuda", "--speculative-algorithm", "UNO"], False),
     (["--device", "cpu"], False),  # no gain measured on CPU
+    (["--device", "cuda", "--tp-size", "2"], False),  # not measured with tensor parallelism
     (["--device", "cuda", "--disable-run-ahead"], False),
     (["--device", "cpu", "--enable-run-ahead"], True),
 ])
