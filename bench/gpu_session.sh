@@ -200,6 +200,8 @@ for s in $STAGES; do
           --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --max-new-tokens 128 --colocate $extra \
           --out-dir "$R/spec_services_$mode" > "$R/spec_services_$mode.log" 2>&1
         cat "$R/spec_services_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_$mode.log"
+        # a chained run that failed falls back to step by step (logged by the target): say so
+        grep -h "chained speculative steps\|are not chained" "$R/spec_services_$mode"/*target*.log 2>/dev/null | head -3
       done
       timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 \
         --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
