@@ -1,13 +1,14 @@
 """Speculative steps chained on the device: k greedy (verify, draft) steps of a target and the draft in its process
 with no host round trip between them, one device->host copy for all k.
 
-A step is four replays: the glue that turns the current tree and the sequence state (root token, target and draft KV
+A step is five replays: the glue that turns the current tree and the sequence state (root token, target and draft KV
 ends) into the static verify step's packed inputs; the verify step (runtime/speculative/verify_step.py: forward, tree
 walk, KV compaction, feature gather); the glue that turns its outcome (emitted tokens, accept length, the accepted
 path's features) into the static draft step's catch-up inputs (SGLang's draft-extend over the newly committed tokens),
 records the step's tokens and advances the state; the draft step (runtime/speculative/draft_step.py: catch-up, tree
-forwards, re-rank). The two glues are CUDA graphs per batch bucket on CUDA, the same device code run eagerly on CPU,
-so every step's host work is a few graph launches that run ahead of the GPU. The caller reserves the KV of the
+forwards, re-rank); the glue that takes its tree (or a tree source's) into the state. The glues are small CUDA graphs
+per batch bucket on CUDA, the same device code run eagerly on CPU, so a step's host work is five graph launches that
+run ahead of the GPU. The caller reserves the KV of the
 worst case (every step accepting its deepest path) before and sets the lengths from the outcome after; tokens past
 a stop are computed and dropped, as any draft past a stop is.
 
