@@ -100,3 +100,21 @@ async def test_chained_steps_equal_hf_on_cuda(prompts_and_reference, algorithm, 
     print(f"chained {algorithm} {steps}/{topk}/{ndt}: {runs} chained runs, mismatched prompts {mismatched}")
     assert runs > 0
     assert not mismatched, f"{algorithm} chained: outputs differ from HF greedy for prompts {mismatched}"
+
+
+async def test_chained_steps_with_a_sampled_neighbour_on_cuda(prompts_and_reference):
+    """A sampled request beside greedy ones (EAGLE3 5/4/16 co-located, 4 steps per call): the greedy sequences are
+    chained on the device while the sampled one steps one by one in the same calls; greedy == HF."""
+    prompts, want = prompts_and_reference
+    async with local_stack(DEFAULT_MODEL, algorithm="EAGLE3", draft_path=DEFAULT_EAGLE3, num_steps=5, topk=4,
+                           num_draft_tokens=16, max_total_tokens=16384, device="cuda", dtype="float32",
+                           colocate=True, static_steps=True, num_continuous_decode_steps=4) as scheduler:
+        results = await asyncio.gather(
+            *(generate_ids(scheduler, p, NEW_TOKENS, request_id=f"m{i}") for i, p in enumerate(prompts[:3])),
+            generate_ids(scheduler, prompts[3], 2 * NEW_TOKENS, temperature=0.8, seed=1, request_id="sampled"))
+        runs = scheduler.test_servicers[0].chained.num_runs
+    got = [r[0] for r in results[:3]]
+    mismatched = [i for i, (g, w) in enumerate(zip(got, want[:3])) if g != w]
+    print(f"chained beside a sampled request: {runs} chained runs, mismatched prompts {mismatched}")
+    assert runs > 0 and len(results[3][0]) == 2 * NEW_TOKENS
+    assert not mismatched
