@@ -3,9 +3,9 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained8b`
-# (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
+# Stages: chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained_tests`,
+# `chained8b` (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
 # steps under chaining), `adaptive`, `profile_serve`.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
@@ -192,6 +192,10 @@ for s in $STAGES; do
         -- --cuda-graph-max-bs 4 > "$R/serve_decode_8b.log" 2>&1
       grep -E "ready in|starting" "$R/serve_decode_8b.log" | tail -2
       cat "$R/serve_decode_8b/results.md" 2>/dev/null || tail -5 "$R/serve_decode_8b.log" ;;
+    chained_tests)  # the chained steps' GPU tests (greedy == HF, padding rows, a sampled neighbour) + static steps
+      timeout -s INT 200 python3 -m pytest -q -rs -s -p no:cacheprovider tests/gpu/test_lossless_gpu.py -k chained \
+        tests/gpu/test_draft_step_gpu.py > "$R/chained_tests.log" 2>&1
+      grep -E "chained|passed|failed|FAILED|Error" "$R/chained_tests.log" | tail -8 ;;
     chained8b)  # 8B SYNTHETIC through the services with the draft co-located: chained steps (default) vs step by step
       # (#11's services efficiency >= 0.85 of in-process), then the in-process reference of the same configs
       for mode in chained unchained; do
