@@ -401,9 +401,7 @@ class SyntheticProposer(Proposer):
         spec = inp.spec
         if spec.num_steps < 1 or spec.num_draft_tokens < 2:
             return DraftTree([], [])
-        shape = self._shapes.get(spec)
-        if shape is None:
-            shape = self._shapes[spec] = tree_shape(spec)
+        shape = self._shape(spec)
         tokens = self._tokens[inp.seq_id]
         state = self._seq[inp.seq_id]
         length = len(tokens)
@@ -433,13 +431,19 @@ class SyntheticProposer(Proposer):
         return self.head.chain_step(spec) if self.head is not None else None
 
     def chain_tree_source(self, spec: SpecShape, max_bs: int, span: int) -> SyntheticTrees:
-        shape = self._shapes.get(spec) or self._shapes.setdefault(spec, tree_shape(spec))
-        return SyntheticTrees(shape, self.vocab_size, max_bs, span, self.head.runner.device)
+        return SyntheticTrees(self._shape(spec), self.vocab_size, max_bs, span, self.head.runner.device)
+
+    def _shape(self, spec: SpecShape) -> _Shape:
+        """The cached tree shape of a spec."""
+        shape = self._shapes.get(spec)
+        if shape is None:
+            shape = self._shapes[spec] = tree_shape(spec)
+        return shape
 
     def chain_tree_rows(self, seq_ids: list[str], spec: SpecShape, span: int) -> list[tuple]:
         """SyntheticTrees.load's row of each sequence for a run starting at its committed length now, over the
         `span` positions the run may draft at."""
-        shape = self._shapes[spec]
+        shape = self._shape(spec)
         rows = []
         for seq_id in seq_ids:
             length, state = len(self._tokens[seq_id]), self._seq[seq_id]

@@ -86,7 +86,7 @@ class FusedSteps:
         self.draft_pad = draft.new_host_rows(self.max_bs)[:, :draft.table_col].clone().to(dev)
         self.records: dict[int, torch.Tensor] = {}  # bucket -> (max_steps, b, W + 1): emitted tokens, count
         self.last_features: dict[int, torch.Tensor] = {}  # bucket -> (b, F)
-        self.graphs: dict[int, tuple] = {}  # bucket -> (to_verify graph, to_draft graph)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (to_verify, to_draft, take_tree) graphs
         self.num_runs = 0
 
     # ---- device code ---------------------------------------------------------------------------------------------
@@ -127,8 +127,9 @@ class FusedSteps:
         at = dstart.unsqueeze(1) + index
         tables = d.inputs[:b, d.table_col:]
         slots = tables.gather(1, at // d.block_size) * d.block_size + at % d.block_size
-        row = torch.cat([ids, torch.where(valid, at, torch.zeros_like(at)), torch.where(valid, slots, -torch.ones_like(at)),
-                         dstart.unsqueeze(1), (dstart + count).unsqueeze(1)], dim=1)
+        row = torch.cat([ids, torch.where(valid, at, torch.zeros_like(at)),
+                         torch.where(valid, slots, -torch.ones_like(at)), dstart.unsqueeze(1),
+                         (dstart + count).unsqueeze(1)], dim=1)
         d.inputs[:b, :d.table_col] = torch.where(live.unsqueeze(1), row, self.draft_pad[:b])
         if self.features:
             feats = verified[b * (2 * w + 1) * 8:].view(v.runner.dtype).view(b, w, -1)
@@ -164,7 +165,7 @@ class FusedSteps:
         self.last_features[b] = torch.zeros(b, feature_dim, dtype=self.verify.runner.dtype, device=dev)
 
     def capture(self) -> None:
-        """The two glues of every bucket as CUDA graphs (after both steps captured theirs); nothing on CPU."""
+        """The three glues of every bucket as CUDA graphs (after both steps captured theirs); nothing on CPU."""
         for b in self.sizes:
             self._buffers(b)
         if self.state.device.type != "cuda" or not self.verify.graphs or not self.draft.graphs:
@@ -243,6 +244,8 @@ class FusedSteps:
         steps_part = num_steps * num * (self.width + 1)
         rec = [data[i:i + self.width + 1] for i in range(0, steps_part, self.width + 1)]
         trees = data[steps_part:]
+        # the last kept rows' features, one copy for the batch (the buffer is overwritten by the next run)
+        features = self.last_features[b][:num].clone() if self.features else None
         results = []
         for i in range(num):
             steps = []
@@ -251,6 +254,6 @@ class FusedSteps:
                 steps.append(row[:row[self.width]])
             tree = trees[i * 2 * m:(i + 1) * 2 * m]
             count = sum(1 for t in tree[:m] if t >= 0)
-            feature = self.last_features[b][i].clone() if self.features else None
-            results.append(ChainResult(steps, tree[:count], tree[m:m + count], feature))
+            results.append(ChainResult(steps, tree[:count], tree[m:m + count],
+                                       features[i] if features is not None else None))
         return results

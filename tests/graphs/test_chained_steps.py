@@ -47,8 +47,8 @@ async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models)
     outcomes = {}
     for chain in (True, False):
         async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=4, topk=3,
-                               num_draft_tokens=10, colocate=True, static_steps=True, num_continuous_decode_steps=4, inline_steps=False,
-                               chain_steps=chain) as scheduler:
+                               num_draft_tokens=10, colocate=True, static_steps=True, num_continuous_decode_steps=4,
+                               inline_steps=False, chain_steps=chain) as scheduler:
             got = []
             for at in (5, 13, 27):  # the token at this index stops the request
                 ids, finish, _ = await generate_ids(scheduler, prompt, 40, stop_token_ids=[reference[at]],
