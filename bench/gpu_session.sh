@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: spec8b compile_chained chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained_tests`,
 # `chained8b` (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
 # steps under chaining), `adaptive`, `profile_serve`.
@@ -210,6 +210,23 @@ for s in $STAGES; do
       timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 \
         --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec_inproc" > "$R/spec_inproc.log" 2>&1
       cat "$R/spec_inproc/results.md" 2>/dev/null || tail -5 "$R/spec_inproc.log" ;;
+    spec8b)  # #11's 8B targets, SYNTHETIC, batch 1 and 64: through the services (draft co-located, chained steps: the
+      # defaults) and in-process, the same prompts (so the same tau) in both
+      timeout 260 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 64 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --max-new-tokens 128 --colocate --out-dir "$R/spec8b_services" \
+        > "$R/spec8b_services.log" 2>&1
+      cat "$R/spec8b_services/results.md" 2>/dev/null || tail -5 "$R/spec8b_services.log"
+      grep -h "chained speculative steps\|are not chained" "$R/spec8b_services"/*target*.log 2>/dev/null | head -3
+      timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 64 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec8b_inproc" > "$R/spec8b_inproc.log" 2>&1
+      cat "$R/spec8b_inproc/results.md" 2>/dev/null || tail -5 "$R/spec8b_inproc.log" ;;
+    compile_chained)  # --enable-torch-compile (bs 1) with chained steps and run-ahead (the defaults): EAGLE3 5/4/16
+      # ABBA against plain graphs, plain decoding once (each graph replay's node count sets a step's time here)
+      timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        EAGLE3-tree-compile EAGLE3-tree-compile EAGLE3-tree --out "$R/accept_compile_chained.json" -- \
+        --device cuda --cuda-graph-max-bs 8 > "$R/accept_compile_chained.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_compile_chained.log" | tail -12
+      grep -E "torch.compile|Error" "$R/accept_compile_chained.log" | head -6 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
       timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \

@@ -36,6 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/decode.py (mod
 from decode import model_config  # noqa: E402
 from draft_service.synthetic import Oracle, expected_tau, rate_for_tau  # noqa: E402
 
+# Prompt ids: ids every tokenizer the gateway may load accepts (as bench/serve_decode.py). Both modes draw the same
+# prompts, so a batch's SYNTHETIC keep stream (seeded per prompt) and with it τ are the same in-process and through
+# the services: their speedups compare at equal τ.
+PROMPT_VOCAB = 2048
 LABEL = "SYNTHETIC ACCEPTANCE (oracle continuation corrupted at a set rate; dummy weights)"
 
 
@@ -90,6 +94,7 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
     Returns tokens (after the prefill's), steps, summed t_draft/t_verify (seconds) and the loop's wall time."""
     from core.steps import PrefillInput, ProposeInput, VerifyInput
     from core.types import DraftTree, SamplingParams, StopRule
+    from core.types import SeqStatus as Status
 
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     greedy = SamplingParams(temperature=0.0)
@@ -121,6 +126,8 @@ def run_engine(engine, proposer, spec, prompts: list[list[int]], max_new: int, t
         seq_steps += len(active)
         done = set()
         for o in outs:
+            if o.status != Status.OK:  # (a bench bug, not a measurement: without this the loop would spin)
+                raise RuntimeError(f"verify of {o.seq_id} failed: {o.status} {o.error}")
             committed[o.seq_id] += o.token_ids
             new[o.seq_id] = o.token_ids
             tokens += len(o.token_ids)
@@ -192,7 +199,7 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
     rows, ar_rows, oracles = [], {}, {}
     extra = max(c.steps for c in configs) + 1  # the oracle must reach past the last draft
     for bs in args.batch_sizes:  # AR first (decode graphs exist whatever verify width is captured)
-        prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed)
+        prompts = make_prompts(bs, args.prompt_len, min(PROMPT_VOCAB, cfg.vocab_size), args.seed)
         run_engine(engine, None, None, prompts[:1], 4, f"warm-ar-{bs}")
         ar = run_engine(engine, None, None, prompts, args.max_new_tokens + extra, f"ar-{bs}")
         oracles[bs] = Oracle(ar["continuations"])
@@ -217,7 +224,7 @@ def bench_inprocess(args, cfg, device: torch.device, configs: list[SpecConfig]) 
                 continue
             engine._static_verify = static_step if static_verify else None  # else the eager verify (reference)
             name = config.name + (" static-verify" if static_verify else "")
-            prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed)
+            prompts = make_prompts(bs, args.prompt_len, min(PROMPT_VOCAB, cfg.vocab_size), args.seed)
             oracle = oracles[bs]
             static_before = static_step.num_replays if static_step is not None else 0
             for run in range(args.calibration_runs + 1):

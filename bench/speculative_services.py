@@ -30,7 +30,6 @@ from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from tandem.args import REPO_ROOT  # noqa: E402
 
-PROMPT_VOCAB = 2048  # ids every tokenizer the gateway may load accepts (as bench/serve_decode.py)
 
 
 def _metric(port: int, rpc: str) -> tuple[float, float, float]:
@@ -165,7 +164,7 @@ class Stack:
 
 
 def bench_services(args, configs) -> list[dict]:
-    from speculative import _row, make_prompts, oracle_mismatches
+    from speculative import PROMPT_VOCAB, _row, make_prompts, oracle_mismatches
 
     path = model_dir(args.tiny)
     out_dir = Path(args.out_dir)

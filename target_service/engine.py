@@ -482,6 +482,12 @@ class TargetEngine:
         total = self._chain_total(start, num_steps, max_accept)
         return total + 1 <= self.max_context_len and self.runner.block_manager.blocks_for(total) <= step.max_blocks
 
+    def chain_useful_steps(self, inp: VerifyInput, max_accept: int) -> int:
+        """The steps a chained run of this (chain_ready) sequence is sure to use: its length limit (max_new_tokens,
+        the context end) lies at least that many whole accepted paths ahead. Steps past its end would still run on
+        the device, for output the commit drops."""
+        return max(1, -(-self._room(self._seqs[inp.seq_id]) // max_accept))
+
     def _chain_total(self, start: int, num_steps: int, max_accept: int) -> int:
         return start + (num_steps - 1) * max_accept + self._static_verify.width
 

@@ -281,3 +281,38 @@ async def test_a_mixed_batch_chains_its_greedy_sequences_and_steps_the_sampled_o
                 assert scheduler.test_servicers[0].chained.num_runs > 0
             await _assert_no_kv_leak(scheduler)
     assert sampled[True] == sampled[False] and len(sampled[True]) == 40
+
+
+async def test_a_chained_run_stops_at_the_steps_its_length_limit_can_use(models, monkeypatch):
+    """Near max_new_tokens a chained run is cut to the steps the sequence is sure to use (its limit at least that
+    many whole accepted paths ahead), not the call's k: every chained step emits tokens, none is device work whose
+    output the commit drops, and a shorter run happened. Greedy == HF."""
+    from target_service.chained import ChainedSteps
+
+    path, _, hf = models
+    runs = []  # (steps the device ran, steps each sequence's output covers)
+    run = ChainedSteps.run
+
+    def recorded(self, inputs, steps):
+        fused_run = self.fused[inputs[0].propose_next].run if inputs and inputs[0].propose_next in self.fused else None
+        ran = []
+        if fused_run is not None:
+            fused = self.fused[inputs[0].propose_next]
+            monkeypatch.setattr(fused, "run", lambda seqs, n, rows=None: ran.append(n) or fused_run(seqs, n, rows))
+        outputs = run(self, inputs, steps)
+        if ran:
+            runs.append((ran[0], [out.num_steps for out in outputs.values() if out.finish_reason != "stop"]))
+        return outputs
+
+    monkeypatch.setattr(ChainedSteps, "run", recorded)
+    k = 6
+    async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
+                           topk=2, num_draft_tokens=6, colocate=True, static_steps=True, inline_steps=False,
+                           num_continuous_decode_steps=k) as scheduler:
+        prompt = prompts(hf.config.vocab_size)[1]
+        for n in (9, 23):
+            got, _, _ = await generate_ids(scheduler, prompt, n, request_id=f"n{n}")
+            assert got == hf_greedy(hf, prompt, n)
+        await _assert_no_kv_leak(scheduler)
+    assert runs and all(covered == [ran] * len(covered) for ran, covered in runs), runs
+    assert any(ran < k for ran, _ in runs), runs
