@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: spec8b compile_chained chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained_tests`,
 # `chained8b` (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
 # steps under chaining), `adaptive`, `profile_serve`.
@@ -227,6 +227,19 @@ for s in $STAGES; do
         --device cuda --cuda-graph-max-bs 8 > "$R/accept_compile_chained.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_compile_chained.log" | tail -12
       grep -E "torch.compile|Error" "$R/accept_compile_chained.log" | head -6 ;;
+    dflash_bundle)  # #13: the bundled DFLASH draft (compact: ~0.38 M parameters, 0.77 MB, to keep models/ under 30 MB:
+      # one layer, 4 heads of 32, FFN 96, one target layer), trained here 3 min; then tau + tok/s through tandem serve
+      # next to EAGLE3, NEXTN and UNO on the same prompts
+      rm -rf /tmp/demo-dflash
+      timeout 230 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
+        --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 3 --device cuda --batch-size 64 \
+        --seq-len 512 --dflash-num-heads 4 --dflash-head-dim 32 --dflash-num-kv-heads 1 --dflash-intermediate-size 96 \
+        --dflash-target-layer-ids 3 --dflash-block-size 8 > "$R/dflash_train.log" 2>&1
+      tail -3 "$R/dflash_train.log"; mkdir -p "$R/dflash" && cp /tmp/demo-dflash/* "$R/dflash/"; ls -l "$R/dflash"
+      timeout 240 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR DFLASH EAGLE3-tree \
+        NEXTN-chain UNO-linear --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_dflash.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
       timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \

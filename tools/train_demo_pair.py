@@ -135,7 +135,7 @@ def main() -> None:
     draft = _new_model(dshape, vocab, args.seed + 1)
     infos["draft"] = train_lm(draft, stream, _lm_config(args, device, args.draft_seconds, args.lr_draft,
                                                         args.seed + 1), "draft")
-    save_model(draft, tok, ddir, torch.bfloat16)
+    save_model(draft, None, ddir, torch.bfloat16)  # the target's tokenizer serves it (models/ stays under 30 MB)
     draft.float()
 
     # 4. EAGLE-3 head

@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--dflash-num-layers", type=int, default=1, help="draft decoder layers")
     g.add_argument("--dflash-num-heads", type=int, default=4, help="draft attention heads")
     g.add_argument("--dflash-num-kv-heads", type=int, default=1, help="draft KV heads (GQA)")
+    g.add_argument("--dflash-head-dim", type=int, default=None,
+                   help="draft attention head size (default: the target's hidden size / --dflash-num-heads)")
     g.add_argument("--dflash-intermediate-size", type=int, default=None,
                    help="draft FFN width (default: the target's hidden size)")
     g.add_argument("--dflash-block-size", type=int, default=8,
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             from tools.train_dflash import DFlashTrainConfig, train_dflash_online
 
             shape = DFlashTrainConfig(num_layers=args.dflash_num_layers, num_heads=args.dflash_num_heads,
-                                      num_kv_heads=args.dflash_num_kv_heads,
+                                      num_kv_heads=args.dflash_num_kv_heads, head_dim=args.dflash_head_dim,
                                       intermediate_size=args.dflash_intermediate_size,
                                       block_size=args.dflash_block_size, num_blocks=args.dflash_num_blocks,
                                       target_layer_ids=args.dflash_target_layer_ids,

@@ -174,10 +174,7 @@ class FusedSteps:
         with torch.inference_mode():
             for b in reversed(self.sizes):
                 verified, drafted = self.verify.outputs[b], self.draft.outputs[b]
-                for _ in range(2):  # warm-up outside the capture (state rows are all padding: live 0)
-                    self.to_verify(b)
-                    self.to_draft(b, verified)
-                    self.take_tree(b, drafted)
+                self.warm_up(b, verified, drafted)
                 torch.cuda.synchronize(self.state.device)
                 graphs = []
                 for code in (lambda: self.to_verify(b), lambda: self.to_draft(b, verified),
@@ -190,6 +187,17 @@ class FusedSteps:
         torch.cuda.synchronize(self.state.device)
         logger.info("fused speculative steps: captured the glue graphs of batch sizes %s in %.1f s", self.sizes,
                     time.perf_counter() - t0)
+
+    def warm_up(self, b: int, verified: torch.Tensor, drafted: torch.Tensor) -> None:
+        """The glue code of bucket b twice outside a capture (the state rows are all padding: nothing live), the step
+        counter rewound before each pass as a run rewinds it (bucket after bucket, two records each, would walk it
+        past max_steps: an out-of-bounds index_copy_ at start-up)."""
+        for _ in range(2):
+            self.step_index.zero_()
+            self.to_verify(b)
+            self.to_draft(b, verified)
+            self.take_tree(b, drafted)
+        self.step_index.zero_()
 
     def run(self, seqs: list[ChainSeq], num_steps: int, tree_rows=None) -> list[ChainResult]:
         """num_steps chained (verify, draft) steps of these sequences; one host->device copy per step object before,

@@ -152,6 +152,31 @@ def test_fused_steps_refuse_mismatched_shapes(models):
         FusedSteps(verify, step)
 
 
+def test_glue_warm_up_over_every_bucket_of_a_large_max_bs(models):
+    """Capture warms up the glue code of every bucket (largest first) before capturing it: at --cuda-graph-max-bs 64
+    (serve's default, 11 buckets) the step counter must not walk past max_steps (it did: an index_copy_ assert on the
+    GPU at start-up). Run here on CPU with the steps' output buffers zeroed, bucket by bucket as capture does."""
+    from runtime.config import EngineConfig
+    from runtime.model_runner import ModelRunner
+    from runtime.speculative.draft_step import StaticDraftStep, StepShape
+    from runtime.speculative.fused_step import FusedSteps
+    from runtime.speculative.verify_step import StaticVerifyStep
+
+    path, _, _ = models
+    config = EngineConfig(device="cpu", dtype="float32", max_total_tokens=4096, attention_backend="triton")
+    verify = StaticVerifyStep(ModelRunner(str(path), config), 4, 64)
+    step = StaticDraftStep(ModelRunner(str(_draft(models, "STANDALONE")), config), StepShape(3, 1, 4, catch_up=4), 64,
+                           feature_head=False)
+    fused = FusedSteps(verify, step, max_steps=16)
+    assert len(fused.sizes) * 2 > fused.max_steps  # more warm-up passes than records
+    w = fused.width
+    for b in reversed(fused.sizes):
+        fused._buffers(b)
+        verified = torch.zeros(b * (2 * w + 1) * 8, dtype=torch.uint8)
+        fused.warm_up(b, verified, torch.full((b, 2 * (w - 1)), -1, dtype=torch.int64))
+    assert int(fused.step_index) == 0
+
+
 async def test_chained_steps_with_run_ahead_hits_and_misses(models):
     """Run-ahead (on by default on a GPU) over chained calls: the pod runs the expected next call, chained, while the
     answer travels, and the next call takes its outputs (hits). Greedy == HF, no KV left behind."""
