@@ -228,16 +228,16 @@ for s in $STAGES; do
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_compile_chained.log" | tail -12
       grep -E "torch.compile|Error" "$R/accept_compile_chained.log" | head -6 ;;
     dflash_bundle)  # #13: the bundled DFLASH draft (compact: ~0.38 M parameters, 0.77 MB, to keep models/ under 30 MB:
-      # one layer, 4 heads of 32, FFN 96, one target layer), trained here 3 min; then tau + tok/s through tandem serve
-      # next to EAGLE3, NEXTN and UNO on the same prompts
+      # one layer, 4 heads of 32, FFN 96, one target layer), trained here 2.5 min; then tau + tok/s through tandem serve
+      # next to EAGLE3 and NEXTN on the same prompts
       rm -rf /tmp/demo-dflash
-      timeout 230 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
-        --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 3 --device cuda --batch-size 64 \
+      timeout 200 python3 -m tools.train_draft --kind dflash --target-model-path $M --corpus /usr/lib/python3.12 \
+        --exclude-files $M/heldout_files.txt --output-dir /tmp/demo-dflash --minutes 2.5 --device cuda --batch-size 64 \
         --seq-len 512 --dflash-num-heads 4 --dflash-head-dim 32 --dflash-num-kv-heads 1 --dflash-intermediate-size 96 \
         --dflash-target-layer-ids 3 --dflash-block-size 8 > "$R/dflash_train.log" 2>&1
       tail -3 "$R/dflash_train.log"; mkdir -p "$R/dflash" && cp /tmp/demo-dflash/* "$R/dflash/"; ls -l "$R/dflash"
-      timeout 240 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR DFLASH EAGLE3-tree \
-        NEXTN-chain UNO-linear --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
+      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR DFLASH EAGLE3-tree \
+        NEXTN-chain --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_dflash.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
