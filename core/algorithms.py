@@ -429,6 +429,7 @@ register(SpeculativeAlgorithm(
 register(SpeculativeAlgorithm(
     "DFLASH", target_features=TargetFeatures.BLOCK_FEATURES, shape_rule=ShapeRule.BLOCK, tree=False,
     draft_model=DraftModel.HEAD, proposer="draft_service.dflash:build", supports_draft_window=True,
+    bundled_draft="tandem-demo-code-dflash",
     missing_draft="DFLASH speculative decoding requires setting --speculative-draft-model-path. Train a DFlash draft "
                   "for this target with: python -m tools.train_draft --kind dflash --target-model-path TARGET "
                   "--corpus CORPUS --output-dir DRAFT",

@@ -224,8 +224,9 @@ def draft_dir(pair):
     return pair[1]
 
 
-def test_dflash_needs_a_draft_path_and_names_the_trainer():
-    message = _refused("--speculative-algorithm", "DFLASH")
+def test_dflash_needs_a_draft_path_and_names_the_trainer(pair):
+    """A target other than the bundled one (whose DFLASH draft is models/tandem-demo-code-dflash) needs a draft."""
+    message = _refused("--model-path", pair[0], "--speculative-algorithm", "DFLASH")
     assert "DFLASH speculative decoding requires setting --speculative-draft-model-path." in message
     assert "python -m tools.train_draft --kind dflash" in message
 
@@ -361,6 +362,16 @@ def test_train_draft_cli_writes_a_compact_draft_the_proposer_loads(tmp_path):
     assert info["kind"] == "dflash" and info["training"]["steps"] == 3
     proposer = DFlashProposer(target, str(out), ENGINE)
     assert proposer.block_size == 5 and proposer.target_capture_layers == [2]
+    # the bundled draft's shape: head size and target layers given (4 heads of 8 over a hidden size of 64)
+    main(["--kind", "dflash", "--target-model-path", target, "--corpus", str(corpus), "--output-dir", str(out / "b"),
+          "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--dflash-num-heads", "4",
+          "--dflash-head-dim", "8", "--dflash-intermediate-size", "24", "--dflash-target-layer-ids", "2"])
+    cfg = json.loads((out / "b" / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["head_dim"], cfg["intermediate_size"]) == (4, 8, 24)
+    assert cfg["dflash_config"]["target_layer_ids"] == [2]
+    with safe_open(str(out / "b" / "model.safetensors"), framework="pt") as f:
+        assert tuple(f.get_slice("layers.0.self_attn.q_proj.weight").get_shape()) == (32, cfg["hidden_size"])
+        assert tuple(f.get_slice("fc.weight").get_shape()) == (cfg["hidden_size"], cfg["hidden_size"])
 
 
 async def test_trained_draft_gets_drafts_accepted_more_than_a_random_one(tmp_path):
