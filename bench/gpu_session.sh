@@ -4,9 +4,8 @@
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
 # Stages: spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: the list below STAGES=, in order). Next session (bench/results/session13_h200/NOTES.md): `chained_tests`,
-# `chained8b` (8B SYNTHETIC through the services chained vs step by step vs in-process), `compile_steps` (torch.compile'd static
-# steps under chaining), `adaptive`, `profile_serve`.
+# (default: the list below STAGES=, in order). Next session (bench/results/session14_h200/NOTES.md): `adaptive` (never
+# measured), `user_path` (the defaults after session 14's fixes), `profile_serve`, a longer compile A/B.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
