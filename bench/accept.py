@@ -65,8 +65,10 @@ CONFIGS = {
                    "--speculative-num-draft-tokens", "4"],
     "UNO-tree": ["--speculative-algorithm", "UNO", "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
                  "--speculative-num-draft-tokens", "8"],
-    # DFLASH: no bundled draft (models/ would pass 30 MB); bench/gpu_session.sh trains one into /tmp/demo-dflash
-    "DFLASH": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/tmp/demo-dflash"],
+    # DFLASH: the bundled draft (models/tandem-demo-code-dflash, block 8); DFLASH-tmp: one trained into
+    # /tmp/demo-dflash (bench/gpu_session.sh dflash_uno / dflash_bundle)
+    "DFLASH": ["--speculative-algorithm", "DFLASH"],
+    "DFLASH-tmp": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/tmp/demo-dflash"],
 }
 # Pre-drafting (--enable-overlap-drafting): the draft drafts step i+1 from a guess while step i verifies (A/B)
 CONFIGS.update({f"{name}-predraft": [*CONFIGS[name], "--enable-overlap-drafting"]

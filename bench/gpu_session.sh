@@ -235,7 +235,7 @@ for s in $STAGES; do
         --seq-len 512 --dflash-num-heads 4 --dflash-head-dim 32 --dflash-num-kv-heads 1 --dflash-intermediate-size 96 \
         --dflash-target-layer-ids 3 --dflash-block-size 8 > "$R/dflash_train.log" 2>&1
       tail -3 "$R/dflash_train.log"; mkdir -p "$R/dflash" && cp /tmp/demo-dflash/* "$R/dflash/"; ls -l "$R/dflash"
-      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR DFLASH EAGLE3-tree \
+      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR DFLASH-tmp EAGLE3-tree \
         NEXTN-chain --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_dflash.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
@@ -343,7 +343,7 @@ for s in $STAGES; do
       cp /tmp/demo-mtp2/config.json /tmp/demo-mtp2/model.safetensors.index.json /tmp/demo-mtp2/mtp.safetensors \
         /tmp/demo-mtp2/mtp_training_info.json "$R/mtp2/"
       timeout 260 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree UNO-linear \
-        UNO-tree DFLASH --out "$R/accept_dflash_uno.json" -- --device cuda --cuda-graph-max-bs 8 \
+        UNO-tree DFLASH-tmp --out "$R/accept_dflash_uno.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_dflash_uno.log" 2>&1
       tail -8 "$R/accept_dflash_uno.log" ;;
     flashinfer)
