@@ -160,28 +160,30 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
         wait_ready(proc, channel, name)
         stub = pb_grpc.GatewayStub(channel)
         stub.Info(pb.InfoRequest(), timeout=300, wait_for_ready=True)
-        stub_generate(stub, prompts[0], 8, args)  # warm-up
+        run_prompts(stub, prompts[:args.concurrency], 8, args)  # warm-up
         tokens = steps = accepted = proposed = 0
-        outputs = []
         start = time.perf_counter()
-        for prompt in prompts:
-            usage, ids = stub_generate(stub, prompt, args.max_new_tokens, args)
-            outputs.append(ids)
+        results = run_prompts(stub, prompts, args.max_new_tokens, args)
+        elapsed = time.perf_counter() - start
+        outputs = [ids for _, ids in results]
+        for usage, _ in results:
             tokens += usage.completion_tokens
             steps += usage.verify_steps + 1
             accepted += usage.accepted_draft_tokens
             proposed += usage.proposed_draft_tokens
-        elapsed = time.perf_counter() - start
         rpc_ms = gateway_rpc_ms(http)  # (before the profiled prompt below)
         if args.profile_dir:
-            profiled = profile_prompt(http, lambda: stub_generate(stub, prompts[0], args.max_new_tokens, args))
+            profiled = profile_prompt(http, lambda: run_prompts(stub, prompts[:args.concurrency],
+                                                                args.max_new_tokens, args))
         channel.close()
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     return {"config": name, "prompts": len(prompts), "completion_tokens": tokens,
             "mean_accept_length": tokens / steps, "accept_rate": accepted / proposed if proposed else 0.0,
-            "tokens_per_s": tokens / elapsed, "seconds": elapsed, "ms_per_step": 1e3 * elapsed / steps, **rpc_ms,
+            # ms per step of the batch: with `concurrency` requests in flight, `concurrency` sequence-steps at once
+            "tokens_per_s": tokens / elapsed, "seconds": elapsed, "concurrency": args.concurrency,
+            "ms_per_step": 1e3 * elapsed * args.concurrency / steps, **rpc_ms,
             **({"profile": profiled} if args.profile_dir else {}), "outputs": outputs}
 
 
@@ -255,6 +257,16 @@ def hf_peers(prompts: list[str] | list[list[int]], args) -> list[dict]:
     return rows
 
 
+def run_prompts(stub, prompts: list, max_new_tokens: int, args) -> list[tuple[pb.GenerateUsage, list[int]]]:
+    """The prompts' Generates, `args.concurrency` streams in flight at once (1: one after another); in order."""
+    if args.concurrency <= 1:
+        return [stub_generate(stub, prompt, max_new_tokens, args) for prompt in prompts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        return list(pool.map(lambda prompt: stub_generate(stub, prompt, max_new_tokens, args), prompts))
+
+
 def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> tuple[pb.GenerateUsage, list[int]]:
     """One streamed Generate: its usage and every token id it committed."""
     source = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
@@ -274,6 +286,9 @@ def main() -> None:
     p.add_argument("--prompt-chars", type=int, default=400)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="Generate streams in flight at once (the batch the services see; 1: one prompt after "
+                        "another); more prompts than held-out ones repeat them")
     p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", default=None, help="JSON output path (a .png with the same stem is written too)")
     p.add_argument("--hf-peers", default=None, metavar="DEVICE",
@@ -287,6 +302,7 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="extra flags for tandem serve (after --)")
     args = p.parse_args()
     prompts = heldout_prompts(DEFAULT_MODEL, args.num_prompts, args.prompt_chars)
+    prompts = [prompts[i % len(prompts)] for i in range(max(args.num_prompts, args.concurrency))]
     results = []
     for name in args.configs:  # each row as it lands: a run stopped by a time limit keeps what it measured
         results.append(run_config(name, CONFIGS[name], prompts, args))
