@@ -31,7 +31,6 @@ from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from tandem.args import REPO_ROOT  # noqa: E402
 
 
-
 def _metric(port: int, rpc: str) -> tuple[float, float, float]:
     """(model seconds, count) of tandem:forward_time_seconds and the handler wall seconds
     (tandem:rpc_duration_seconds: decode, convert, leases, model, encode) for one RPC from a service's /metrics (a

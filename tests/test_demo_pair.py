@@ -98,7 +98,7 @@ def test_eagle3_with_no_model_flags_serves_the_bundled_head():
     assert args.speculative_draft_model_path is None  # the draft service falls back to DEFAULT_DRAFT
 
 
-def test_dflash_with_no_model_flags_serves_the_bundled_draft(tmp_path):
+def test_dflash_with_no_model_flags_serves_the_bundled_draft():
     """`tandem serve --speculative-algorithm DFLASH` on the bundled target: its DFLASH draft, block 8 from the draft's
     config; on another target the draft stays required (tests/test_dflash.py)."""
     from tandem.cli import build_parser, prepare

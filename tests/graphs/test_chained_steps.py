@@ -312,23 +312,22 @@ async def test_a_chained_run_stops_at_the_steps_its_length_limit_can_use(models,
     """Near max_new_tokens a chained run is cut to the steps the sequence is sure to use (its limit at least that
     many whole accepted paths ahead), not the call's k: every chained step emits tokens, none is device work whose
     output the commit drops, and a shorter run happened. Greedy == HF."""
+    from runtime.speculative.fused_step import FusedSteps
     from target_service.chained import ChainedSteps
 
     path, _, hf = models
-    runs = []  # (steps the device ran, steps each sequence's output covers)
-    run = ChainedSteps.run
+    ran, runs = [], []  # steps of each device run; (steps the device ran, steps each sequence's output covers)
+    fused_run, run = FusedSteps.run, ChainedSteps.run
 
     def recorded(self, inputs, steps):
-        fused_run = self.fused[inputs[0].propose_next].run if inputs and inputs[0].propose_next in self.fused else None
-        ran = []
-        if fused_run is not None:
-            fused = self.fused[inputs[0].propose_next]
-            monkeypatch.setattr(fused, "run", lambda seqs, n, rows=None: ran.append(n) or fused_run(seqs, n, rows))
+        before = len(ran)
         outputs = run(self, inputs, steps)
-        if ran:
-            runs.append((ran[0], [out.num_steps for out in outputs.values() if out.finish_reason != "stop"]))
+        if len(ran) > before:
+            runs.append((ran[-1], [out.num_steps for out in outputs.values() if out.finish_reason != "stop"]))
         return outputs
 
+    monkeypatch.setattr(FusedSteps, "run",
+                        lambda self, seqs, n, rows=None: ran.append(n) or fused_run(self, seqs, n, rows))
     monkeypatch.setattr(ChainedSteps, "run", recorded)
     k = 6
     async with local_stack(path, algorithm="STANDALONE", draft_path=_draft(models, "STANDALONE"), num_steps=3,
