@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session14_h200/NOTES.md): `adaptive` (never
 # measured), `user_path` (the defaults after session 14's fixes), `profile_serve`, a longer compile A/B.
 set -u
@@ -219,6 +219,33 @@ for s in $STAGES; do
       timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 64 \
         --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec8b_inproc" > "$R/spec8b_inproc.log" 2>&1
       cat "$R/spec8b_inproc/results.md" 2>/dev/null || tail -5 "$R/spec8b_inproc.log" ;;
+    gateway_overhead)  # the gateway alone on this host's CPU (an instant target, N Generate streams): the services'
+      # batch-N ceiling; cProfile of the gateway at batch 64 (top functions into a text file)
+      timeout 150 python3 bench/gateway_overhead.py --batch-sizes 1 16 64 --max-new-tokens 256 --profile "$R/gw64.prof" \
+        --out "$R/gateway_overhead.json" > "$R/gateway_overhead.log" 2>&1
+      tail -6 "$R/gateway_overhead.log"
+      python3 -c "import pstats; pstats.Stats('$R/gw64.prof').sort_stats('tottime').print_stats(60)" \
+        > "$R/gw64_top.txt" 2>&1; rm -f "$R/gw64.prof" ;;
+    services_bs)  # 8B plain decoding through tandem serve at batch 1/8/64 with the gateway's own timings (Verify
+      # round trip, loop step, prefill): where a call's wall goes past batch 1; run-ahead (default) vs off
+      for c in default noahead; do
+        extra=""; [ $c = noahead ] && extra="--disable-run-ahead"
+        timeout 130 python3 bench/serve_decode.py --batch-sizes 1 8 64 --max-new-tokens 128 --prompt-len 256 \
+          --out-dir "$R/services_bs_$c" -- --cuda-graph-max-bs 64 $extra > "$R/services_bs_$c.log" 2>&1
+        echo "-- $c"; cat "$R/services_bs_$c/results.md" 2>/dev/null || tail -5 "$R/services_bs_$c.log"
+      done ;;
+    spec8b_full)  # 8B in-process batch 64 with the full-batch rate (the steady state of a server kept full) next to
+      # the drained static batch's
+      timeout 200 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 64 \
+        --configs 5/1/6@3.5 6/4/16@5 --static-verify on --out-dir "$R/spec8b_full" > "$R/spec8b_full.log" 2>&1
+      cat "$R/spec8b_full/results.md" 2>/dev/null || tail -5 "$R/spec8b_full.log" ;;
+    profile_eagle3)  # where a chained EAGLE3 5/4/16 step's ~2.2 ms go on the demo user path: plain decoding and the
+      # tree through tandem serve, then one more prompt profiled (every process: torch trace, Python profile)
+      timeout 240 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        --profile-dir "$R/profiles" --out "$R/accept_profiled.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_profiled.log" 2>&1
+      grep -E "profile |^\| " "$R/accept_profiled.log" | tail -8
+      find "$R/profiles" -name "*.trace.json.gz" -size +1500k -delete 2>/dev/null ;;
     compile_chained)  # --enable-torch-compile (bs 1) with chained steps and run-ahead (the defaults): EAGLE3 5/4/16
       # ABBA against plain graphs, plain decoding once (each graph replay's node count sets a step's time here)
       timeout 420 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \

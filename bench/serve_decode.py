@@ -70,6 +70,22 @@ def generate(stub, prompt: list[int], max_new_tokens: int) -> tuple[int, float]:
     return tokens, (end - first) / max(tokens - 1, 1)
 
 
+def gateway_times(http_port: int) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of the gateway's Verify RPC, Prefill RPC and loop-step histograms (tandem:*_time_seconds,
+    as the gateway times them: the RPC's round trip; a step of the whole running batch, delivery included)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for name in ("verify", "prefill", "step"):
+        total = re.search(rf"^tandem:{name}_time_seconds_sum(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        count = re.search(rf"^tandem:{name}_time_seconds_count(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        out[name] = (float(total.group(1)) if total else 0.0, float(count.group(1)) if count else 0.0)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true")
@@ -97,14 +113,20 @@ def main() -> None:
         generate(stub, [rng.randrange(3, vocab) for _ in range(args.prompt_len)], 16)  # warm-up (graphs, caches)
         for bs in args.batch_sizes:
             prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(bs)]
+            before = gateway_times(http)
             start = time.perf_counter()
             with ThreadPoolExecutor(bs) as pool:
                 outs = list(pool.map(lambda q: generate(stub, q, args.max_new_tokens), prompts))
             elapsed = time.perf_counter() - start
+            after = gateway_times(http)
             per_token_s = sum(o[1] for o in outs) / bs
+            # where the wall goes, as the gateway saw it: Verify round trips, Prefill round trips, loop steps
+            timed = {f"{k}_ms": 1e3 * (after[k][0] - before[k][0]) / max(after[k][1] - before[k][1], 1)
+                     for k in after}
+            timed.update({f"{k}_calls": after[k][1] - before[k][1] for k in after})
             results["runs"].append({"batch_size": bs, "decode_tok_s_per_seq": 1 / per_token_s,
                                     "decode_tok_s_total": bs / per_token_s, "ms_per_step": per_token_s * 1e3,
-                                    "tokens": sum(o[0] for o in outs), "wall_s": elapsed})
+                                    "tokens": sum(o[0] for o in outs), "wall_s": elapsed, **timed})
         channel.close()
     finally:
         proc.send_signal(signal.SIGINT)
@@ -112,9 +134,12 @@ def main() -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    lines = ["| batch | ms/step | tok/s per seq | tok/s total |", "|---|---|---|---|"]
+    lines = ["| batch | ms/step | tok/s per seq | tok/s total | wall s | Verify calls (ms each) | loop steps (ms each) "
+             "| Prefill calls (ms each) |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch_size']} | {r['ms_per_step']:.2f} | {r['decode_tok_s_per_seq']:.1f} | "
-              f"{r['decode_tok_s_total']:.1f} |" for r in results["runs"]]
+              f"{r['decode_tok_s_total']:.1f} | {r['wall_s']:.2f} | {r['verify_calls']:.0f} ({r['verify_ms']:.2f}) | "
+              f"{r['step_calls']:.0f} ({r['step_ms']:.2f}) | {r['prefill_calls']:.0f} ({r['prefill_ms']:.2f}) |"
+              for r in results["runs"]]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(results, indent=2))
     print("\n".join(lines))
