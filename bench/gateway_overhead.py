@@ -32,12 +32,13 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
+from rpc_overhead import EchoTarget  # noqa: E402  (Verify and VerifyStream through _answer)
 from tandem.args import DEFAULT_MODEL  # noqa: E402
 
 PROMPT_LEN = 64
 
 
-class InstantTarget(pb_grpc.TargetServiceServicer):
+class InstantTarget(EchoTarget):
     """A target with no model: Prefill and Verify answer at once with `num_decode_steps` tokens per sequence (ids
     cycling through `tokens`, so the gateway detokenizes real text), LENGTH at each sequence's max_new_tokens."""
 
@@ -70,13 +71,6 @@ class InstantTarget(pb_grpc.TargetServiceServicer):
         self.counts[1] += len(request.seqs)
         return pb.VerifyResponse(results=[self._emit(s.seq_id, max(1, s.num_decode_steps)) for s in request.seqs],
                                  timings=pb.StepTimings(), memory=pb.MemoryState())
-
-    async def Verify(self, request, context):
-        return self._answer(request)
-
-    async def VerifyStream(self, request_iterator, context):
-        async for request in request_iterator:
-            yield self._answer(request)
 
     async def Release(self, request, context):
         for seq_id in request.seq_ids:
