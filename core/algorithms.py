@@ -369,6 +369,13 @@ register(SpeculativeAlgorithm(
                       str, "BFS", ("BFS", "PROB")),
         AlgorithmFlag("--speculative-ngram-max-trie-depth", "NGRAM: max trie depth", int, 18),
         AlgorithmFlag("--speculative-ngram-capacity", "NGRAM: trie node capacity", int, 10_000_000),
+        AlgorithmFlag("--speculative-ngram-external-corpus-path", "NGRAM: a JSONL corpus (one JSON string, a "
+                      "document's text, per line) indexed at start-up and drafted from beside the trie; more at run "
+                      "time with POST /add_external_corpus"),
+        AlgorithmFlag("--speculative-ngram-external-sam-budget", "NGRAM: draft tree nodes given to the external "
+                      "corpora (split evenly; 0: the corpora draft nothing)", int, 0),
+        AlgorithmFlag("--speculative-ngram-external-corpus-max-tokens", "NGRAM: tokens all external corpora may hold",
+                      int, 10_000_000),
     )))
 
 register(SpeculativeAlgorithm(

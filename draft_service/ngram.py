@@ -12,6 +12,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from core.types import ROOT, DraftTree
+from draft_service.ngram_corpus import ExternalCorpus
 
 MATCH_TYPES = ("BFS", "PROB")
 
@@ -26,6 +27,10 @@ class NgramConfig:
     max_trie_depth: int = 18
     capacity: int = 10_000_000
     num_draft_tokens: int = 12
+    # External corpora (draft_service/ngram_corpus.py): the tree nodes they draft, split evenly between them, the
+    # trie drafting the rest first (nodes it leaves unused go to the corpora too); and the tokens all may hold.
+    external_sam_budget: int = 0
+    external_corpus_max_tokens: int = 10_000_000
 
     def __post_init__(self) -> None:
         if self.min_bfs_breadth < 1:
@@ -43,6 +48,10 @@ class NgramConfig:
                              f"({self.max_trie_depth}) nodes")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.external_sam_budget < 0:
+            raise ValueError(f"external_sam_budget must be >= 0, got {self.external_sam_budget}")
+        if self.external_corpus_max_tokens < 1:
+            raise ValueError(f"external_corpus_max_tokens must be positive, got {self.external_corpus_max_tokens}")
 
 
 class _Node:
@@ -67,10 +76,36 @@ class NgramProposer:
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self._clock = 0
         self._seqs: dict[str, list[int]] = {}
+        self.corpora: dict[str, ExternalCorpus] = {}  # by corpus id
 
     @property
     def num_nodes(self) -> int:
         return len(self._lru)
+
+    # -- external corpora ---------------------------------------------------------------------------------------
+
+    def add_corpus(self, corpus_id: str, documents: list[list[int]]) -> int:
+        """Index documents (token ids) as corpus `corpus_id` (replacing one of that id); returns its tokens. All
+        corpora together hold at most external_corpus_max_tokens (ValueError, nothing changed, beyond that)."""
+        if not corpus_id:
+            raise ValueError("a corpus needs a non-empty id")
+        corpus = ExternalCorpus(documents)
+        if not len(corpus):
+            raise ValueError(f"corpus {corpus_id!r} has no tokens")
+        others = sum(len(c) for key, c in self.corpora.items() if key != corpus_id)
+        if others + len(corpus) > self.config.external_corpus_max_tokens:
+            raise ValueError(f"corpus {corpus_id!r} ({len(corpus)} tokens) does not fit: the corpora hold {others} "
+                             f"of at most {self.config.external_corpus_max_tokens} tokens "
+                             "(--speculative-ngram-external-corpus-max-tokens)")
+        self.corpora[corpus_id] = corpus
+        return len(corpus)
+
+    def remove_corpus(self, corpus_id: str) -> None:
+        if self.corpora.pop(corpus_id, None) is None:
+            raise KeyError(f"no external corpus {corpus_id!r}")
+
+    def corpus_token_counts(self) -> dict[str, int]:
+        return {key: len(c) for key, c in sorted(self.corpora.items())}
 
     def sync(self, seq_id: str, token_ids: list[int]) -> None:
         """Record the full committed token list (prompt + output); insert the n-grams that end in new tokens.
@@ -146,7 +181,9 @@ class NgramProposer:
 
     def _propose_one(self, tokens: list[int]) -> DraftTree:
         budget = self.config.num_draft_tokens - 1
-        tree = _TreeAccumulator(budget)
+        corpora = [self.corpora[key] for key in sorted(self.corpora)]
+        per_corpus = min(self.config.external_sam_budget, budget) // len(corpora) if corpora else 0
+        tree = _TreeAccumulator(budget - per_corpus * len(corpora))
         if not tokens or budget == 0:
             return tree.to_draft_tree()
         build = self._build_bfs if self.config.match_type == "BFS" else self._build_prob
@@ -154,6 +191,13 @@ class NgramProposer:
             if tree.full:
                 break
             build(tree, anchor, depth)
+        if per_corpus:
+            for corpus in corpora:  # each adds up to its share (and what the trie left unused) after the trie's
+                tree.budget += per_corpus
+                for anchor, depth in corpus.anchors(tokens, self.config.max_trie_depth, _Node):
+                    if tree.full:
+                        break
+                    build(tree, anchor, depth)
         return tree.to_draft_tree()
 
     def _build_bfs(self, tree: _TreeAccumulator, anchor: _Node, match_len: int) -> None:

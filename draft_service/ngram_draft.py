@@ -5,10 +5,15 @@ The trie (draft_service/ngram.py) is global across sequences, as in SGLang; tree
 """
 from __future__ import annotations
 
+import logging
+
 from core.steps import ProposeInput
 from core.types import DraftTree
 from draft_service.ngram import NgramConfig, NgramProposer
+from draft_service.ngram_corpus import read_corpus_documents
 from draft_service.proposer import Proposer
+
+logger = logging.getLogger(__name__)
 
 
 class NgramDraft(Proposer):
@@ -17,6 +22,14 @@ class NgramDraft(Proposer):
     def __init__(self, config: NgramConfig):
         super().__init__()
         self.trie = NgramProposer(config)
+
+    @staticmethod
+    def encoder(tokenizer_path: str):
+        """text -> token ids with the target's tokenizer, no special tokens (how corpus documents are read)."""
+        import transformers  # only when a corpus is given as text
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
     def _on_prefill(self, seq_id: str) -> None:
         self.trie.sync(seq_id, self._tokens[seq_id])
@@ -47,7 +60,19 @@ def build(build) -> tuple[NgramDraft, str]:
     """Registry factory (core/algorithms.py): the trie from the --speculative-ngram-* flags (no model to load).
     build: tandem.services.DraftBuild."""
     args = build.args
-    return NgramDraft(NgramConfig(
+    draft = NgramDraft(NgramConfig(
         min_bfs_breadth=args.speculative_ngram_min_bfs_breadth, max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
         match_type=args.speculative_ngram_match_type, max_trie_depth=args.speculative_ngram_max_trie_depth,
-        capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens)), "ngram"
+        capacity=args.speculative_ngram_capacity, num_draft_tokens=args.speculative_num_draft_tokens,
+        external_sam_budget=args.speculative_ngram_external_sam_budget,
+        external_corpus_max_tokens=args.speculative_ngram_external_corpus_max_tokens))
+    path = args.speculative_ngram_external_corpus_path
+    if path:  # SGLang names the start-up corpus by its path
+        try:
+            documents = read_corpus_documents(path, draft.encoder(build.target_path),
+                                              args.speculative_ngram_external_corpus_max_tokens)
+            tokens = draft.trie.add_corpus(str(path), documents)
+        except ValueError as exc:
+            raise SystemExit(f"error: --speculative-ngram-external-corpus-path: {exc}") from None
+        logger.info("external ngram corpus %s: %d documents, %d tokens", path, len(documents), tokens)
+    return draft, "ngram"

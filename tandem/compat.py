@@ -53,12 +53,6 @@ COMPAT_FLAGS = (
                help="SGLang: DSA top-k backend of the draft"),
     CompatFlag("--speculative-skip-dp-mlp-sync", f"{NOT_HERE}: there is no data-parallel attention", None, False,
                help="SGLang: skip the DP MLP sync of EAGLE drafts"),
-    CompatFlag("--speculative-ngram-external-corpus-path", f"{NOT_YET}: external NGRAM corpora",
-               help="SGLang: JSONL corpus for a suffix automaton beside the NGRAM trie"),
-    CompatFlag("--speculative-ngram-external-sam-budget", f"{NOT_YET}: external NGRAM corpora", int, 0, (0,),
-               help="SGLang: trie nodes given to the external corpora's suffix automata"),
-    CompatFlag("--speculative-ngram-external-corpus-max-tokens", f"{NOT_YET}: external NGRAM corpora", int,
-               help="SGLang: token cap of an external NGRAM corpus"),
     CompatFlag("--enable-dp-attention", f"{NOT_HERE}: data-parallel attention is for MoE/MLA models; Tandem scales "
                "data-parallel with --num-target-replicas", None, False,
                help="SGLang: data-parallel attention"),
@@ -142,6 +136,11 @@ def startup_warnings(args: argparse.Namespace, defaults: dict[str, object]) -> l
         notes.append("--speculative-adaptive is disabled with multi-layer EAGLE: it drafts one MTP layer per step, "
                      "a chain of fixed depth")  # as SGLang does
         args.speculative_adaptive = False
+    if (entry.name == "NGRAM" and getattr(args, "speculative_ngram_external_corpus_path", None)
+            and not getattr(args, "speculative_ngram_external_sam_budget", 0)):
+        notes.append("--speculative-ngram-external-corpus-path drafts nothing with --speculative-ngram-external-sam-"
+                     "budget 0 (SGLang's default): give the corpora some of the tree's nodes, e.g. "
+                     "--speculative-ngram-external-sam-budget 4")
     if getattr(args, "speculative_adaptive_config", None) and not getattr(args, "speculative_adaptive", False):
         notes.append("--speculative-adaptive-config is ignored without --speculative-adaptive")
     for other in algorithms.ALGORITHMS.values():  # another algorithm's own flags (e.g. --uno-lora-path for EAGLE3)

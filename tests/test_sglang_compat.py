@@ -135,6 +135,10 @@ def test_token_map_with_eagle3_is_dropped_with_a_warning(capsys):
     (["--device", "cpu", "--cuda-graph-max-bs", "8", "--mem-fraction-static", "0.7"],
      "--mem-fraction-static, --cuda-graph-max-bs: CUDA only, no effect on --device cpu"),
     (["--device", "cpu", "--enable-torch-compile"], "--enable-torch-compile: CUDA only"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-ngram-external-corpus-path", "c.jsonl"],
+     "--speculative-ngram-external-corpus-path drafts nothing with --speculative-ngram-external-sam-budget 0"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-ngram-external-corpus-path", "c.jsonl"],
+     "--speculative-ngram-external-corpus-path is ignored for EAGLE3: it is NGRAM's"),
 ])
 def test_flags_without_effect_warn_once_at_start_up(flags, expected, capsys):
     _prepare(*flags)
