@@ -4,8 +4,10 @@
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
 # Stages: services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: the list below STAGES=, in order). Next session (bench/results/session14_h200/NOTES.md): `adaptive` (never
-# measured), `user_path` (the defaults after session 14's fixes), `profile_serve`, a longer compile A/B.
+# (default: the list below STAGES=, in order). Next session (bench/results/session15_h200/NOTES.md):
+# `services_bs gateway_overhead profile_eagle3 spec8b_full` in one call (why the services' plain decoding at batch 8-64
+# runs at half the handler-time rate; where the demo's chained EAGLE3 step and request start go; 8B batch 64 at the
+# full-batch rate), then `user_path` again (STANDALONE-chain was cut in session 15).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -267,7 +269,7 @@ for s in $STAGES; do
         > "$R/accept_dflash.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
-      timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
+      timeout 300 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_user_path.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_user_path.log" | tail -14 ;;
