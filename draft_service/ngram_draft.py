@@ -10,7 +10,7 @@ import logging
 from core.steps import ProposeInput
 from core.types import DraftTree
 from draft_service.ngram import NgramConfig, NgramProposer
-from draft_service.ngram_corpus import read_corpus_documents
+from core.corpus import read_corpus_documents
 from draft_service.proposer import Proposer
 
 logger = logging.getLogger(__name__)

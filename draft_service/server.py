@@ -127,6 +127,34 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         """Free the sequences no call has used within the idle TTL (their gateway is gone); returns how many."""
         return await leases.free_idle(self.leases, self.worker, self.proposer.release)
 
+    # ---- NGRAM's external corpora (draft_service/ngram_corpus.py) ---------------------------------------------
+    def _corpora(self):
+        trie = getattr(self.proposer, "trie", None)
+        if trie is None or not hasattr(trie, "add_corpus"):
+            raise ValueError(f"external corpora are NGRAM's; this pod drafts {self.proposer.algorithm}")
+        return trie
+
+    async def AddExternalCorpus(self, request: pb.AddExternalCorpusRequest, context) -> pb.ExternalCorpora:
+        trie = self._corpora()
+        documents = [list(doc.token_ids) for doc in request.documents]
+        vocab = self.limits.vocab_size
+        if vocab is not None and any(t >= vocab for doc in documents for t in doc):
+            raise ValueError(f"corpus token ids must be below the vocabulary size {vocab}")
+        # indexing runs on the worker thread (a large corpus takes seconds): the loop keeps answering meanwhile
+        loaded = await self.worker.run(trie.add_corpus, request.corpus_id, documents)
+        return pb.ExternalCorpora(corpus_token_counts=trie.corpus_token_counts(), loaded_token_count=loaded)
+
+    async def RemoveExternalCorpus(self, request: pb.RemoveExternalCorpusRequest, context) -> pb.ExternalCorpora:
+        trie = self._corpora()
+        try:
+            await self.worker.run(trie.remove_corpus, request.corpus_id, inline=True)
+        except KeyError:
+            raise ValueError(f"no external corpus {request.corpus_id!r}") from None
+        return pb.ExternalCorpora(corpus_token_counts=trie.corpus_token_counts())
+
+    async def ListExternalCorpora(self, request: pb.ListExternalCorporaRequest, context) -> pb.ExternalCorpora:
+        return pb.ExternalCorpora(corpus_token_counts=self._corpora().corpus_token_counts())
+
     async def Info(self, request: pb.InfoRequest, context) -> pb.ModelInfo:
         runner = getattr(self.proposer, "runner", None)
         device = {} if runner is None else {"device": str(runner.device), "accelerator": accelerator_id(runner.device)}

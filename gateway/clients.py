@@ -258,7 +258,6 @@ class TargetClient(_Client):
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
         return response.num_released
 
-
 class DraftClient(_Client):
     def __init__(self, address: str, timeout_s: float = 60.0, credentials: grpc.ChannelCredentials | None = None,
                  step_streams: bool = True, service_api_key: str | None = None, owner: str = ""):
@@ -288,6 +287,22 @@ class DraftClient(_Client):
     async def release(self, seq_ids: list[str]) -> int:
         response = await self._call(self.stub.Release, pb.ReleaseRequest(seq_ids=seq_ids), 10.0)
         return response.num_released
+
+    async def add_external_corpus(self, corpus_id: str, documents: list[list[int]]) -> tuple[int, dict[str, int]]:
+        """An NGRAM pod indexes documents (token ids) as corpus `corpus_id`: (its tokens, every corpus's tokens).
+        ValueError when the pod refuses it (not NGRAM, over the token cap)."""
+        request = pb.AddExternalCorpusRequest(corpus_id=corpus_id,
+                                              documents=[pb.CorpusDocument(token_ids=d) for d in documents])
+        response = await self._call(self.stub.AddExternalCorpus, request, max(self.timeout_s, 300.0))
+        return response.loaded_token_count, dict(response.corpus_token_counts)
+
+    async def remove_external_corpus(self, corpus_id: str) -> dict[str, int]:
+        request = pb.RemoveExternalCorpusRequest(corpus_id=corpus_id)
+        return dict((await self._call(self.stub.RemoveExternalCorpus, request)).corpus_token_counts)
+
+    async def list_external_corpora(self) -> dict[str, int]:
+        request = pb.ListExternalCorporaRequest()
+        return dict((await self._call(self.stub.ListExternalCorpora, request)).corpus_token_counts)
 
 
 def _spec(shape: SpecShape) -> pb.SpecParams:

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from core.corpus import read_corpus_documents
 from gateway.auth import ApiKeyMiddleware
 from gateway.errors import error_body, http_error
 from gateway.metrics import GatewayMetrics, HttpMetricsMiddleware
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 _NO_RETRY = {"x-should-retry": "false"}  # generation is not idempotent
+# A corpus file read by the gateway: the pods' --speculative-ngram-external-corpus-max-tokens caps what they keep.
+MAX_CORPUS_TOKENS = 100_000_000
 
 
 class StartProfileRequest(BaseModel):
@@ -69,6 +72,23 @@ class StartProfileRequest(BaseModel):
     profile_id: str | None = Field(None, description="names the files (letters, digits, '-', '_')")
     output_dir: str | None = Field(None, description="a directory for the files inside each process's --profile-dir "
                                                      "(relative to it, or an absolute path under it)")
+
+
+class AddExternalCorpusRequest(BaseModel):
+    """Body of POST /add_external_corpus (SGLang's): exactly one of file_path (a JSONL file on the gateway's host, one
+    JSON string per line), documents (texts) or token_chunks (token ids, one document each)."""
+    model_config = ConfigDict(extra="forbid")
+
+    corpus_id: str | None = Field(None, description="default: file_path, else a new id")
+    file_path: str | None = None
+    documents: list[str] | None = None
+    token_chunks: list[list[int]] | None = None
+
+
+class RemoveExternalCorpusRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    corpus_id: str
 
 
 class PayloadTooLarge(GatewayError):
@@ -117,6 +137,10 @@ def build_app(backend: GenerationBackend, tokenizer: Tokenizer, served_model_nam
     if hasattr(backend, "start_profile"):  # SGLang's / vLLM's profiler endpoints (gateway/profiling.py)
         app.add_api_route("/start_profile", server.start_profile, methods=["POST"])
         app.add_api_route("/stop_profile", server.stop_profile, methods=["POST"])
+    if hasattr(backend, "add_external_corpus"):  # SGLang's NGRAM corpus endpoints (gateway/scheduler.py)
+        app.add_api_route("/add_external_corpus", server.add_external_corpus, methods=["POST"])
+        app.add_api_route("/remove_external_corpus", server.remove_external_corpus, methods=["POST"])
+        app.add_api_route("/list_external_corpora", server.list_external_corpora, methods=["GET", "POST"])
     document = openapi_document()
 
     async def openapi() -> JSONResponse:
@@ -216,6 +240,47 @@ class _OpenAIServer:
 
     async def _stop_profile(self, request: Request) -> Response:
         return JSONResponse(await self.backend.stop_profile())
+
+    # ------------------------------------------------------------------------------------ external corpora
+    async def add_external_corpus(self, request: Request) -> Response:
+        return await self._guard(self._add_external_corpus, request)
+
+    async def remove_external_corpus(self, request: Request) -> Response:
+        return await self._guard(self._remove_external_corpus, request)
+
+    async def list_external_corpora(self, request: Request) -> Response:
+        return await self._guard(lambda _: self._json(self.backend.list_external_corpora()), request)
+
+    @staticmethod
+    async def _json(answer) -> Response:
+        return JSONResponse(await answer)
+
+    async def _add_external_corpus(self, request: Request) -> Response:
+        req = await self._validated(request, AddExternalCorpusRequest)
+        given = [name for name in ("file_path", "documents", "token_chunks") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise InvalidRequest("give exactly one of file_path, documents, token_chunks", "file_path")
+        if req.token_chunks is not None:
+            documents = [chunk for chunk in req.token_chunks if chunk]
+            if any(t < 0 for chunk in documents for t in chunk):
+                raise InvalidRequest("token ids must be non-negative", "token_chunks")
+        elif self.tokenizer is None:
+            raise InvalidRequest("this server has no tokenizer; send token_chunks", given[0])
+        else:
+            encode = lambda text: self.tokenizer.hf.encode(text, add_special_tokens=False)  # noqa: E731
+            try:
+                documents = (read_corpus_documents(req.file_path, encode, MAX_CORPUS_TOKENS) if req.file_path
+                             else [ids for ids in map(encode, req.documents) if ids])
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), "file_path") from None
+        if not documents:
+            raise InvalidRequest("the corpus has no tokens", given[0])
+        corpus_id = req.corpus_id or req.file_path or f"corpus-{uuid.uuid4().hex[:12]}"
+        return JSONResponse(await self.backend.add_external_corpus(corpus_id, documents))
+
+    async def _remove_external_corpus(self, request: Request) -> Response:
+        req = await self._validated(request, RemoveExternalCorpusRequest)
+        return JSONResponse(await self.backend.remove_external_corpus(req.corpus_id))
 
     # ------------------------------------------------------------------------------------------ generation
     async def _chat_completions(self, request: Request) -> Response:

@@ -170,6 +170,46 @@ class Scheduler:
     async def stop_profile(self) -> dict:
         return await self.profiling.stop()
 
+    # ------------------------------------------------------------- NGRAM's external corpora (SGLang's endpoints)
+    def _corpus_pods(self) -> list[DraftClient]:
+        if self.spec.entry.name != "NGRAM" or not self.drafts.clients:
+            raise InvalidRequest("external corpora are NGRAM's: this server "
+                                 + (f"drafts with {self.spec.entry.name}" if self.spec.entry.drafts else "does not draft"))
+        return list({c.address: c for c in self.drafts.clients}.values())
+
+    async def _on_corpus_pods(self, call) -> list[tuple[DraftClient, object]]:
+        """call(pod) on every NGRAM pod at once: (pod, result or the exception); a pod's refusal is the request's
+        InvalidRequest."""
+        pods = self._corpus_pods()
+        results = await asyncio.gather(*(call(pod) for pod in pods), return_exceptions=True)
+        for result in results:
+            if isinstance(result, ValueError):
+                raise InvalidRequest(str(result))
+        return list(zip(pods, results))
+
+    @staticmethod
+    def _corpus_answer(results, **extra) -> dict:
+        down = [f"{pod.address}: {r}" for pod, r in results if isinstance(r, Exception)]
+        answer = {"success": not down, "message": "; ".join(down), **extra}
+        counts = next((r[1] if isinstance(r, tuple) else r for _, r in results if not isinstance(r, Exception)), {})
+        return {**answer, "corpus_token_counts": counts}
+
+    async def add_external_corpus(self, corpus_id: str, documents: list[list[int]]) -> dict:
+        """POST /add_external_corpus: every NGRAM pod indexes the documents (token ids) as `corpus_id`. A pod that
+        is down misses it (success false, the pod named); one that restarts later keeps only its start-up corpus."""
+        if self.vocab_size and any(t >= self.vocab_size for doc in documents for t in doc):
+            raise InvalidRequest(f"corpus token ids must be below the vocabulary size {self.vocab_size}",
+                                 "token_chunks")
+        results = await self._on_corpus_pods(lambda pod: pod.add_external_corpus(corpus_id, documents))
+        loaded = next((r[0] for _, r in results if isinstance(r, tuple)), 0)
+        return self._corpus_answer(results, corpus_id=corpus_id, loaded_token_count=loaded)
+
+    async def remove_external_corpus(self, corpus_id: str) -> dict:
+        return self._corpus_answer(await self._on_corpus_pods(lambda pod: pod.remove_external_corpus(corpus_id)))
+
+    async def list_external_corpora(self) -> dict:
+        return self._corpus_answer(await self._on_corpus_pods(lambda pod: pod.list_external_corpora()))
+
     def health(self) -> bool:
         """Serving: the loop runs and at least one target pod is up (probed, or not failing calls)."""
         return self._task is not None and not self._task.done() and bool(self.targets.live())

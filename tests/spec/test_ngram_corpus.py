@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from draft_service.ngram import NgramConfig, NgramProposer
-from draft_service.ngram_corpus import SEPARATOR, ExternalCorpus, read_corpus_documents
+from core.corpus import read_corpus_documents
+from draft_service.ngram_corpus import SEPARATOR, ExternalCorpus
 from tests.stack import generate_ids, local_stack
 from tests.test_lossless_greedy import hf_greedy
 from tests.tiny_models import make_tiny_model
@@ -152,3 +153,69 @@ async def test_greedy_output_unchanged_and_a_corpus_holding_the_answer_is_accept
                 total += usage.accepted_draft_tokens
             accepted[with_corpus] = total
     assert accepted[True] >= 2 * len(prompts) * 10 and accepted[True] > accepted[False]
+
+
+async def test_corpus_endpoints_through_the_gateway_and_the_ngram_pod(tmp_path):
+    """SGLang's POST /add_external_corpus, /remove_external_corpus, /list_external_corpora through the REST app, the
+    scheduler and the NGRAM draft pod (real gRPC): documents as text, a file or token ids; errors are 400 envelopes
+    for that request; a corpus holding the answer is drafted from, and the output is unchanged."""
+    import httpx
+
+    from gateway.openai_api import build_app
+    from gateway.tokenizer import Tokenizer
+    from tandem.args import DEFAULT_MODEL
+
+    tokenizer = Tokenizer(DEFAULT_MODEL)
+    prompt = tokenizer.hf.encode("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special_tokens=False)
+    async with local_stack(DEFAULT_MODEL, algorithm="NGRAM", num_draft_tokens=6, tokenizer=tokenizer,
+                           ngram_kwargs={"external_sam_budget": 5}) as scheduler:
+        app = build_app(scheduler, tokenizer, "tandem-demo-code", max_model_len=2048)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            plain, usage_plain, _ = await generate_ids(scheduler, prompt, 32, request_id="plain")
+            assert (await http.get("/list_external_corpora")).json()["corpus_token_counts"] == {}
+
+            r = await http.post("/add_external_corpus", json={"corpus_id": "answer", "token_chunks": [prompt + plain]})
+            assert r.status_code == 200 and r.json()["success"], r.text
+            assert r.json()["loaded_token_count"] == len(prompt) + 32
+            text = "def helper(x):\n    return x + 1\n"
+            r = await http.post("/add_external_corpus", json={"documents": [text]})
+            assert r.status_code == 200, r.text
+            generated_id = r.json()["corpus_id"]
+            assert r.json()["loaded_token_count"] == len(tokenizer.hf.encode(text, add_special_tokens=False))
+            corpus_file = tmp_path / "docs.jsonl"
+            corpus_file.write_text(json.dumps(text) + "\n" + json.dumps(text * 2) + "\n")
+            r = await http.post("/add_external_corpus", json={"file_path": str(corpus_file)})
+            assert r.status_code == 200 and r.json()["corpus_id"] == str(corpus_file), r.text
+            counts = (await http.post("/list_external_corpora")).json()["corpus_token_counts"]
+            assert set(counts) == {"answer", generated_id, str(corpus_file)}
+
+            quoted, usage, _ = await generate_ids(scheduler, prompt, 32, request_id="quoted")
+            assert quoted == plain  # (the shared trie saw the answer too: the corpus's own effect is the test above)
+            assert usage.accepted_draft_tokens >= usage_plain.accepted_draft_tokens
+
+            for body, words in (({"documents": ["x"], "token_chunks": [[1]]}, "exactly one of"),
+                                ({"token_chunks": [[10 ** 9]]}, "below the vocabulary size"),
+                                ({"file_path": str(tmp_path / "none.jsonl")}, "does not exist"),
+                                ({"documents": [""]}, "no tokens"),
+                                ({"documents": ["x"], "merge": True}, "merge")):
+                r = await http.post("/add_external_corpus", json=body)
+                assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+            r = await http.post("/remove_external_corpus", json={"corpus_id": "answer"})
+            assert r.status_code == 200 and "answer" not in r.json()["corpus_token_counts"]
+            r = await http.post("/remove_external_corpus", json={"corpus_id": "answer"})
+            assert r.status_code == 400 and "no external corpus 'answer'" in r.json()["error"]["message"]
+            assert (await generate_ids(scheduler, prompt, 32, request_id="after"))[0] == plain  # still serving
+
+
+async def test_corpus_endpoints_refuse_a_server_that_does_not_draft_with_ngram():
+    import httpx
+
+    from gateway.openai_api import build_app
+    from tandem.args import DEFAULT_MODEL
+
+    async with local_stack(DEFAULT_MODEL) as scheduler:
+        app = build_app(scheduler, None, "tandem-demo-code", max_model_len=2048)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.post("/add_external_corpus", json={"token_chunks": [[5, 6, 7]]})
+            assert r.status_code == 400 and "external corpora are NGRAM's" in r.json()["error"]["message"]
+            assert (await http.get("/list_external_corpora")).status_code == 400

@@ -293,6 +293,45 @@ class ReleaseResponse(_message.Message):
     memory: MemoryState
     def __init__(self, num_released: _Optional[int] = ..., memory: _Optional[_Union[MemoryState, _Mapping]] = ...) -> None: ...
 
+class CorpusDocument(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AddExternalCorpusRequest(_message.Message):
+    __slots__ = ("corpus_id", "documents")
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    documents: _containers.RepeatedCompositeFieldContainer[CorpusDocument]
+    def __init__(self, corpus_id: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[CorpusDocument, _Mapping]]] = ...) -> None: ...
+
+class RemoveExternalCorpusRequest(_message.Message):
+    __slots__ = ("corpus_id",)
+    CORPUS_ID_FIELD_NUMBER: _ClassVar[int]
+    corpus_id: str
+    def __init__(self, corpus_id: _Optional[str] = ...) -> None: ...
+
+class ListExternalCorporaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExternalCorpora(_message.Message):
+    __slots__ = ("corpus_token_counts", "loaded_token_count")
+    class CorpusTokenCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CORPUS_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    corpus_token_counts: _containers.ScalarMap[str, int]
+    loaded_token_count: int
+    def __init__(self, corpus_token_counts: _Optional[_Mapping[str, int]] = ..., loaded_token_count: _Optional[int] = ...) -> None: ...
+
 class SpecParams(_message.Message):
     __slots__ = ("num_steps", "topk", "num_draft_tokens")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]

@@ -332,6 +332,21 @@ class DraftServiceStub:
                 request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.AddExternalCorpus = channel.unary_unary(
+                '/tandem.v1.DraftService/AddExternalCorpus',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.AddExternalCorpusRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
+                _registered_method=True)
+        self.RemoveExternalCorpus = channel.unary_unary(
+                '/tandem.v1.DraftService/RemoveExternalCorpus',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.RemoveExternalCorpusRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
+                _registered_method=True)
+        self.ListExternalCorpora = channel.unary_unary(
+                '/tandem.v1.DraftService/ListExternalCorpora',
+                request_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ListExternalCorporaRequest.SerializeToString,
+                response_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -378,6 +393,26 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddExternalCorpus(self, request, context):
+        """NGRAM's external corpora (--speculative-ngram-external-corpus-*): add one (replacing one of that id), remove one,
+        list them. INVALID_ARGUMENT for another algorithm, an unknown id, or a corpus over the token cap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveExternalCorpus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListExternalCorpora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -405,6 +440,21 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.InfoRequest.FromString,
                     response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ModelInfo.SerializeToString,
+            ),
+            'AddExternalCorpus': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddExternalCorpus,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.AddExternalCorpusRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.SerializeToString,
+            ),
+            'RemoveExternalCorpus': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveExternalCorpus,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.RemoveExternalCorpusRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.SerializeToString,
+            ),
+            'ListExternalCorpora': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListExternalCorpora,
+                    request_deserializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ListExternalCorporaRequest.FromString,
+                    response_serializer=protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -547,6 +597,87 @@ class DraftService:
             '/tandem.v1.DraftService/Info',
             protos_dot_tandem_dot_v1_dot_tandem__pb2.InfoRequest.SerializeToString,
             protos_dot_tandem_dot_v1_dot_tandem__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddExternalCorpus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DraftService/AddExternalCorpus',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.AddExternalCorpusRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveExternalCorpus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DraftService/RemoveExternalCorpus',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.RemoveExternalCorpusRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListExternalCorpora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DraftService/ListExternalCorpora',
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ListExternalCorporaRequest.SerializeToString,
+            protos_dot_tandem_dot_v1_dot_tandem__pb2.ExternalCorpora.FromString,
             options,
             channel_credentials,
             insecure,
