@@ -141,6 +141,10 @@ class EagleProposer(ModelDrafter):
     def _static_allowed(self, inputs: list[ProposeInput]) -> bool:
         return not any(self._samples(inp) for inp in inputs)  # sampled chains (rejection sampling) draft eagerly
 
+    @property
+    def _eager_catch_up_first(self) -> bool:
+        return not self.multi_layer_steps
+
     def _draft_eager(self, inputs: list[ProposeInput]) -> dict[str, DraftTree]:
         if self.multi_layer_steps:
             return self._draft_layer_chain(inputs)
