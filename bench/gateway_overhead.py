@@ -99,13 +99,13 @@ _PROFILED_GATEWAY = """
 import cProfile, sys
 from tandem.cli import main
 profile = cProfile.Profile()
-sys.argv = ["tandem", *sys.argv[2:]]
+out, sys.argv = sys.argv[1], ["tandem", *sys.argv[2:]]  # python -c CODE PROFILE_FILE GATEWAY_ARGS...
 profile.enable()
 try:
     main()
 finally:  # the gateway shuts down on SIGTERM and returns
     profile.disable()
-    profile.dump_stats(OUT)
+    profile.dump_stats(out)
 """
 
 
@@ -156,7 +156,7 @@ def measure(args: argparse.Namespace, batch_size: int, vocab_size: int, eos: lis
     gateway_args = ["gateway", "--target-address", f"127.0.0.1:{target_port}", "--model-path", args.model_path,
                     "--grpc-port", str(grpc_port), "--port", str(http_port), "--host", "127.0.0.1",
                     "--max-running-requests", str(max(batch_size, 1)), *args.gateway_args]
-    command = ([sys.executable, "-c", _PROFILED_GATEWAY.replace("OUT", repr(profile)), "x", *gateway_args] if profile
+    command = ([sys.executable, "-c", _PROFILED_GATEWAY, profile, *gateway_args] if profile
                else [sys.executable, "-m", "tandem.cli", *gateway_args])
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     gateway = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

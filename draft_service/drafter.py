@@ -35,28 +35,10 @@ class ModelDrafter(Proposer):
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
         # Sequences that do not fit (context limit, KV, shape) get no proposal: the target decodes them alone.
         active = [inp for inp in inputs if self._fits(inp)]
-        trees = None
-        if self._static_allowed(active):
-            self._catch_up_beyond_static(active)
-            trees = self._draft_static(active)
+        trees = self._draft_static(active) if self._static_allowed(active) else None
         if trees is None:
             trees = self._draft_eager(active)
         return [trees.get(inp.seq_id, DraftTree([], [])) for inp in inputs]
-
-    def _catch_up_beyond_static(self, inputs: list[ProposeInput]) -> None:
-        """A static step re-runs at most `catch_up` positions (what one verify commits); a sequence further behind --
-        its first Propose, a whole prompt -- is caught up eagerly first (one batched forward, as a prefill), so its
-        tree still comes from the one static step, not from num_steps eager forwards with a top-k and tree bookkeeping
-        each (EAGLE3 5/4/16 on the bundled head, a 200-token prompt: 1,099 dispatched ops before, 190 and one graph
-        replay now -- host time of every request's start on a GPU). The static step then re-runs the root's position
-        alone."""
-        step = self._static_step_for(inputs)
-        if step is None or not self._eager_catch_up_first:
-            return
-        behind = [inp for inp in inputs
-                  if inp.committed_len - self.kv_lag - self._catch_up_start(inp) > step.shape.catch_up]
-        if behind:
-            self._catch_up(behind)
 
     # Whether `_catch_up` leaves a sequence where the static step can take over (multi-layer EAGLE: no, its layers'
     # windows are the static step's own).
@@ -83,6 +65,17 @@ class ModelDrafter(Proposer):
         step = self._static_step_for(inputs)
         if step is None:
             return None
+        if self._eager_catch_up_first:
+            # The step re-runs at most `catch_up` positions (what one verify commits); a sequence further behind --
+            # its first Propose, a whole prompt -- is caught up eagerly first (one batched forward, as a prefill), so
+            # its tree still comes from this one step, not from num_steps eager forwards with a top-k and tree
+            # bookkeeping each (EAGLE3 5/4/16 on the bundled head, a 200-token prompt: 1,099 dispatched ops before,
+            # 190 and one graph replay now -- host time of every request's start on a GPU). The step then re-runs
+            # the root's position alone.
+            behind = [inp for inp in inputs
+                      if inp.committed_len - self.kv_lag - self._catch_up_start(inp) > step.shape.catch_up]
+            if behind:
+                self._catch_up(behind)
         # The catch-up writes KV [start, end), end = the committed KV end; it re-runs at least the root's position
         # (its output starts the tree).
         plans = [(inp, self._catch_up_start(inp), inp.committed_len - self.kv_lag) for inp in inputs]

@@ -249,11 +249,10 @@ class _OpenAIServer:
         return await self._guard(self._remove_external_corpus, request)
 
     async def list_external_corpora(self, request: Request) -> Response:
-        return await self._guard(lambda _: self._json(self.backend.list_external_corpora()), request)
+        return await self._guard(self._list_external_corpora, request)
 
-    @staticmethod
-    async def _json(answer) -> Response:
-        return JSONResponse(await answer)
+    async def _list_external_corpora(self, request: Request) -> Response:
+        return JSONResponse(await self.backend.list_external_corpora())
 
     async def _add_external_corpus(self, request: Request) -> Response:
         req = await self._validated(request, AddExternalCorpusRequest)
