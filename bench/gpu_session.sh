@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: fewer_kernels services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session15_h200/NOTES.md):
 # `services_bs gateway_overhead profile_eagle3 spec8b_full` in one call (why the services' plain decoding at batch 8-64
 # runs at half the handler-time rate; where the demo's chained EAGLE3 step and request start go; 8B batch 64 at the
@@ -236,6 +236,15 @@ for s in $STAGES; do
           --out-dir "$R/services_bs_$c" -- --cuda-graph-max-bs 64 $extra > "$R/services_bs_$c.log" 2>&1
         echo "-- $c"; cat "$R/services_bs_$c/results.md" 2>/dev/null || tail -5 "$R/services_bs_$c.log"
       done ;;
+    fewer_kernels)  # the draft step's fused log-softmax + top-k and the RoPE table (session 16): their GPU tests, then the
+      # demo user path (plain decoding, EAGLE3 5/4/16, STANDALONE) to set against call 2's 1.98x / 2.02x
+      timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
+        tests/kernels/test_fused_elementwise.py > "$R/fewer_kernels_tests.log" 2>&1
+      tail -2 "$R/fewer_kernels_tests.log"
+      timeout 240 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        STANDALONE-chain --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_fewer_kernels.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_fewer_kernels.log" | tail -8 ;;
     services_bs8)  # is the 1-s batch-8 Prefill with run-ahead (services_bs, session 16) a one-time cost? batch 8 three
       # times around 64, run-ahead on then off, with the Triton kernels each run JIT-compiled
       for c in default noahead; do

@@ -25,6 +25,9 @@ from core.types import ROOT, DraftTree
 from runtime.speculative.static_step import StaticStep
 from runtime.speculative.tree import BeamTreeBuilder
 
+# The fused log-softmax + top-k reads a row k + 1 times; past this width torch's radix select is the better kernel.
+TOPK_KERNEL_MAX_VOCAB = 32768
+
 
 @dataclass(frozen=True)
 class StepShape:
@@ -78,6 +81,17 @@ def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torc
     return torch.where(valid, node_tokens, minus), torch.where(valid, parent_node, minus), count
 
 
+def logprob_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best (log-prob, token) of each row of draft logits, as BeamTreeBuilder.first/next rank them: one Triton
+    kernel inside a CUDA graph (tandem_kernels/topk.py; the torch path is ~5 kernels, ~24 µs a step on the H100),
+    the torch reference elsewhere (on CPU the exact ops of the eager drafters)."""
+    from runtime.models.llama import _k, use_fused
+
+    if use_fused(logits) and logits.shape[-1] <= TOPK_KERNEL_MAX_VOCAB:
+        return _k("topk").logsoftmax_topk(logits, k)
+    return torch.nan_to_num(torch.log_softmax(logits.float(), dim=-1), nan=-torch.inf).topk(k, dim=-1)
+
+
 class StaticDraftStep(StaticStep):
     """The static Propose of one draft ModelRunner (triton attention backend) for one StepShape, eager on CPU and
     one CUDA graph per batch bucket on CUDA."""
@@ -125,7 +139,7 @@ class StaticDraftStep(StaticStep):
         hidden = out.hidden[last]  # (b, H): the root's recurrent hidden (feature heads) / last hidden
         root_logits = model.compute_logits(hidden)
         builder = BeamTreeBuilder(b, steps, k, shape.num_draft_tokens)
-        nodes = builder.first(torch.log_softmax(root_logits.float(), dim=-1))
+        nodes = builder.first_topk(*logprob_topk(root_logits, k))
         parent_hidden = hidden.unsqueeze(1).expand(b, k, -1)
         width = steps * k
         ancestors = torch.zeros(b, k, width, dtype=torch.uint8, device=dev)
@@ -158,7 +172,7 @@ class StaticDraftStep(StaticStep):
                         **extra)
             logits = model.compute_logits(out.hidden)  # (b*k, V)
             parent_hidden = out.hidden.view(b, k, -1)
-            nodes = builder.next(torch.log_softmax(logits.float(), dim=-1).view(b, k, -1))
+            nodes = builder.next_topk(*(t.view(b, k, k) for t in logprob_topk(logits, k)))
         tokens, parents, count = select_tree_device(*builder.candidates(), shape.num_draft_tokens - 1)
         mapped = torch.where(tokens >= 0, self._to_target(tokens.clamp(min=0)), tokens)
         return torch.cat([mapped, parents, count.unsqueeze(1)], dim=1)

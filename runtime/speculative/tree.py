@@ -90,10 +90,15 @@ class BeamTreeBuilder:
 
     def first(self, logprobs: torch.Tensor) -> StepNodes:
         """logprobs (b, V) after the root -> the k level-1 nodes (step 0)."""
+        self._check_shape(logprobs, (self.batch_size, None))
+        return self.first_topk(*_safe(logprobs).topk(self.topk, dim=-1))  # a full-vocab sort would be slow
+
+    def first_topk(self, scores: torch.Tensor, tokens: torch.Tensor) -> StepNodes:
+        """first() from the root's k best (log-prob, token) pairs, (b, k) each, best first (the draft step computes
+        them in one kernel: tandem_kernels/topk.py)."""
         if self._levels:
             raise RuntimeError("first() was already called on this builder")
-        self._check_shape(logprobs, (self.batch_size, None))
-        scores, tokens = _safe(logprobs).topk(self.topk, dim=-1)  # (b, k) each; a full-vocab sort would be slow
+        self._check_shape(scores, (self.batch_size, self.topk))
         parents = torch.full_like(tokens, -1)
         self._levels.append(_Level(scores, tokens, parents))
         self._beam_flat = torch.arange(self.topk, device=tokens.device).expand(self.batch_size, -1)
@@ -102,14 +107,18 @@ class BeamTreeBuilder:
 
     def next(self, logprobs: torch.Tensor) -> StepNodes:
         """logprobs (b, k, V) of the k beam nodes of the previous step (in beam-rank order) -> the next k beam nodes."""
+        self._check_shape(logprobs, (self.batch_size, self.topk, None))
+        return self.next_topk(*_safe(logprobs).topk(self.topk, dim=-1))  # (b, k, k): k children per beam node
+
+    def next_topk(self, child_scores: torch.Tensor, child_tokens: torch.Tensor) -> StepNodes:
+        """next() from each beam node's k best (log-prob, token) children, (b, k, k) each, best first."""
         step = len(self._levels)
         if step == 0:
             raise RuntimeError("call first() before next()")
         if step >= self.num_steps:
             raise RuntimeError(f"all {self.num_steps} steps are already expanded; call finalize()")
         b, k = self.batch_size, self.topk
-        self._check_shape(logprobs, (b, k, None))
-        child_scores, child_tokens = _safe(logprobs).topk(k, dim=-1)  # (b, k, k): k children per beam node
+        self._check_shape(child_scores, (b, k, k))
         expanded = (self._beam_scores.unsqueeze(-1) + child_scores).flatten(1)  # (b, k*k), parent-major
         offset = self.num_candidates
         parents = self._beam_flat.repeat_interleave(k, dim=1)  # (b, k*k): flat index of each child's parent

@@ -104,6 +104,29 @@ def test_standalone_static_step_matches_eager(llama, spec, monkeypatch):
     assert static_p.runner.num_free_tokens() == eager_p.runner.num_free_tokens()  # no leaked scratch blocks
 
 
+def test_static_step_with_the_fused_topk_kernel_matches_eager(llama, monkeypatch):
+    """Inside a CUDA graph the static step ranks each row with tandem_kernels/topk.py (log-softmax + top-k in one
+    launch) instead of torch's five kernels: forced on here (the Triton interpreter), the same trees as eager."""
+    from runtime.models import llama as llama_model
+
+    used: list[str] = []
+    real = llama_model._k
+    monkeypatch.setattr(llama_model, "_k", lambda name: used.append(name) or real(name))
+    rng = random.Random(5)
+    prompts = {f"s{i}": [rng.randrange(3, 320) for _ in range(5 + i)] for i in range(3)}
+    results = []
+    for static in (True, False):
+        proposer = StandaloneProposer(ModelRunner(llama, _config()))
+        if static:
+            assert proposer.enable_static_step(TREE, max_bs=4)
+        trees = _record_trees(proposer)
+        target = ModelRunner(llama, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048, block_size=4))
+        with llama_model.fused_elementwise(static):
+            results.append((_standalone_loop(target, proposer, prompts, TREE, steps=3), trees))
+    assert "topk" in used
+    assert results[0] == results[1]
+
+
 def test_standalone_static_step_batch_one_and_one_readback(llama, monkeypatch):
     static_p = StandaloneProposer(ModelRunner(llama, _config()))
     static_p.enable_static_step(TREE, max_bs=4)

@@ -164,3 +164,25 @@ def test_fused_kernels_compile_for_sm90():
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(": ok") == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}])
+def test_rope_table_rows_are_the_computed_rows_bit_for_bit(dtype, scaling):
+    """What a CUDA forward gathers from RotaryEmbedding's table (two kernels) equals what it computed per forward
+    (six); positions past the table (a padding row's) are clamped into it, never out of bounds."""
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=256, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=64, intermediate_size=8, max_position_embeddings=4096,
+                      rope_theta=500000.0, rope_scaling=scaling)
+    rope = RotaryEmbedding(cfg)
+    positions = torch.tensor([0, 1, 7, 2047, 4095, 4096 + rope.TABLE_MARGIN - 1, 3])
+    with torch.inference_mode():
+        got = rope.table_cos_sin(positions, dtype)
+        want = rope.compute_cos_sin(positions, dtype)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert got[0].shape == (7, 1, 64) and got[0].dtype == dtype
+        past = rope.table_cos_sin(torch.tensor([-1, 10 ** 6]), dtype)
+        last = rope.compute_cos_sin(torch.tensor([0, rope.table_rows - 1]), dtype)
+        assert all(torch.equal(p, w) for p, w in zip(past, last))
+    assert not rope._tables[(torch.device("cpu"), dtype)].is_inference()  # usable outside inference mode too
