@@ -8,7 +8,8 @@ passes over the row, each taking the best element ranked after the previous one.
 
 Order: by log-probability, descending; ties to the lower index (torch.topk leaves tie order unspecified); NaN ranks
 as -inf (a NaN draft score must lose, never win; a row holding a NaN is NaN throughout in torch's log_softmax, so all
--inf here too). A row with fewer than k finite entries is filled with -inf entries in index order. Values are `x - max - log(sum(exp(x - max)))` in fp32, as torch.log_softmax computes them.
+-inf here too). A row with fewer than k finite entries is filled with -inf entries in index order. Values are
+`x - max - log(sum(exp(x - max)))` in fp32, as torch.log_softmax computes them.
 """
 
 from __future__ import annotations

@@ -53,6 +53,15 @@ def use_fused(x: torch.Tensor) -> bool:
     return on and not torch.is_grad_enabled()
 
 
+# The speculative steps' own kernels (tandem_kernels/topk.py, tree.py, chain_glue.py) go with use_fused; set
+# TANDEM_STEP_KERNELS=0 to keep those steps on torch's ops alone, the A/B of bench/gpu_session.sh's fewer_kernels.
+_STEP_KERNELS = os.environ.get("TANDEM_STEP_KERNELS", "1").strip().lower() not in ("0", "off")
+
+
+def use_step_kernels(x: torch.Tensor) -> bool:
+    return _STEP_KERNELS and use_fused(x)
+
+
 @contextmanager
 def graph_capture_mode() -> Iterator[None]:
     """Around a CUDA graph's warm-up and capture (runtime/cuda_graph.py): auto mode uses the fused kernels there."""

@@ -22,11 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from core.types import ROOT, DraftTree
+from runtime.models.llama import _k, use_step_kernels
 from runtime.speculative.static_step import StaticStep
-from runtime.speculative.tree import BeamTreeBuilder
-
-# The fused log-softmax + top-k reads a row k + 1 times; past this width torch's radix select is the better kernel.
-TOPK_KERNEL_MAX_VOCAB = 32768
+from runtime.speculative.tree import BeamTreeBuilder, logprob_topk
 
 
 @dataclass(frozen=True)
@@ -59,11 +57,11 @@ def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torc
     Returns (tokens (b, budget), parents (b, budget), count (b,)); slots past count are -1.
 
     Equals tree._select_closed: with log-prob scores a child never beats its parent and has a higher flat index, so
-    the global order is a best-first order of the frontier; -inf (and NaN, mapped to -inf) candidates and their
-    subtrees are left out."""
+    the global order is a best-first order of the frontier; -inf and NaN candidates (no draft mass) and their
+    subtrees are left out. tandem_kernels/tree.select_tree does this in one launch inside the CUDA graphs."""
     b, num = scores.shape
     budget = min(budget, num)
-    scores = torch.nan_to_num(scores.float(), nan=-torch.inf)
+    scores = torch.nan_to_num(scores.float(), nan=-torch.inf, neginf=-torch.inf)
     order = torch.sort(scores, dim=-1, descending=True, stable=True)
     top = order.indices[:, :budget]  # (b, budget)
     ok = order.values[:, :budget] > -torch.inf
@@ -74,22 +72,20 @@ def select_tree_device(scores: torch.Tensor, tokens: torch.Tensor, parents: torc
     safe = torch.where(valid, chosen, torch.zeros_like(chosen))
     node_tokens = tokens.gather(1, safe)
     flat_parent = parents.gather(1, safe)  # flat candidate index of each chosen node's parent, -1 = root
-    node_of = torch.full((b, num + 1), -1, dtype=torch.long, device=scores.device)
-    node_of.scatter_(1, torch.where(valid, chosen, big), torch.arange(budget, device=scores.device).expand(b, -1))
+    # node_of[:, num] answers the root (-1); the left-outs scatter to num + 1, out of the way
+    node_of = torch.full((b, num + 2), -1, dtype=torch.long, device=scores.device)
+    node_of.scatter_(1, torch.where(valid, chosen, big + 1), torch.arange(budget, device=scores.device).expand(b, -1))
     parent_node = node_of.gather(1, torch.where(flat_parent < 0, torch.full_like(flat_parent, num), flat_parent))
     minus = torch.full_like(node_tokens, -1)
     return torch.where(valid, node_tokens, minus), torch.where(valid, parent_node, minus), count
 
 
-def logprob_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best (log-prob, token) of each row of draft logits, as BeamTreeBuilder.first/next rank them: one Triton
-    kernel inside a CUDA graph (tandem_kernels/topk.py; the torch path is ~5 kernels, ~24 µs a step on the H100),
-    the torch reference elsewhere (on CPU the exact ops of the eager drafters)."""
-    from runtime.models.llama import _k, use_fused
-
-    if use_fused(logits) and logits.shape[-1] <= TOPK_KERNEL_MAX_VOCAB:
-        return _k("topk").logsoftmax_topk(logits, k)
-    return torch.nan_to_num(torch.log_softmax(logits.float(), dim=-1), nan=-torch.inf).topk(k, dim=-1)
+def select_tree(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, budget: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """select_tree_device, in a CUDA graph one Triton launch (tandem_kernels/tree.select_tree) instead of ~40."""
+    if use_step_kernels(scores):
+        return _k("tree").select_tree(scores, tokens, parents, budget)
+    return select_tree_device(scores, tokens, parents, budget)
 
 
 class StaticDraftStep(StaticStep):
@@ -138,42 +134,60 @@ class StaticDraftStep(StaticStep):
         last = torch.arange(b, device=dev) * q + (q - 1)
         hidden = out.hidden[last]  # (b, H): the root's recurrent hidden (feature heads) / last hidden
         root_logits = model.compute_logits(hidden)
-        builder = BeamTreeBuilder(b, steps, k, shape.num_draft_tokens)
-        nodes = builder.first_topk(*logprob_topk(root_logits, k))
-        parent_hidden = hidden.unsqueeze(1).expand(b, k, -1)
         width = steps * k
-        ancestors = torch.zeros(b, k, width, dtype=torch.uint8, device=dev)
-        eye = torch.eye(k, dtype=torch.uint8, device=dev)
+        # In a CUDA graph each tree level is one launch (tandem_kernels/tree.DeviceBeam: the beam expansion and the
+        # next forward's inputs), elsewhere BeamTreeBuilder and these torch ops.
+        kernels = use_step_kernels(root_logits)
+        if kernels:
+            beam = _k("tree").DeviceBeam(b, steps, k, x, live_col=3 * q - 1, kv_col=3 * q + 1,
+                                         table_col=self.table_col, block_size=self.block_size,
+                                         draft_to_target=getattr(model, "draft_to_target", None))
+            ids, ranks, node_slots, positions = beam.expand(*logprob_topk(root_logits, k))
+        else:
+            builder = BeamTreeBuilder(b, steps, k, shape.num_draft_tokens)
+            nodes = builder.first_topk(*logprob_topk(root_logits, k))
+            ancestors = torch.zeros(b, k, width, dtype=torch.uint8, device=dev)
+            eye = torch.eye(k, dtype=torch.uint8, device=dev)
+            node_offsets = torch.arange(k, device=dev)
+            # A padding row (every catch-up slot -1) writes no tree node KV either: its table is block 0's, someone's.
+            live = slots[:, q - 1:q] >= 0
+        parent_hidden = hidden.unsqueeze(1).expand(b, k, -1)
         # The tree steps' constant metadata, made once (each op is a node of the graph, replayed every Propose).
         query_start_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * k
-        node_offsets = torch.arange(k, device=dev)
-        # A padding row (every catch-up slot -1) writes no tree node KV either: its table is block 0's, someone's.
-        live = slots[:, q - 1:q] >= 0
         all_tree = torch.ones(b, dtype=torch.int32, device=dev)
         for step in range(1, steps):
             s = step - 1  # the builder step whose nodes are forwarded now
-            if s > 0:
-                ranks = nodes.parents - (s - 1) * k  # (b, k) beam rank of each node's parent in the last step
-                ancestors = ancestors.gather(1, ranks.unsqueeze(-1).expand(-1, -1, width))
+            if kernels:
+                ancestors, kv_lens = beam.ancestors, beam.kv_lens
             else:
-                ranks = torch.zeros_like(nodes.parents)
-            ancestors[:, :, s * k:(s + 1) * k] |= eye  # each node sees itself
+                if s > 0:
+                    ranks = nodes.parents - (s - 1) * k  # (b, k) beam rank of each node's parent in the last step
+                    ancestors = ancestors.gather(1, ranks.unsqueeze(-1).expand(-1, -1, width))
+                else:
+                    ranks = torch.zeros_like(nodes.parents)
+                ancestors[:, :, s * k:(s + 1) * k] |= eye  # each node sees itself
+                region = kv_after.unsqueeze(1) + s * k + node_offsets  # (b, k) KV indices
+                block = tables.gather(1, (region // self.block_size).to(torch.long)).to(torch.long)
+                node_slots = torch.where(live, block * self.block_size + region % self.block_size, -1)
+                positions = (kv_after + s).unsqueeze(1).expand(b, k)
+                kv_lens = kv_after32 + (s + 1) * k
+                ids = self._to_target(nodes.tokens)
             feats = parent_hidden.gather(1, ranks.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
-            region = kv_after.unsqueeze(1) + s * k + node_offsets  # (b, k) KV indices
-            block = tables.gather(1, (region // self.block_size).to(torch.long)).to(torch.long)
-            node_slots = torch.where(live, block * self.block_size + region % self.block_size, -1)
-            positions = (kv_after + s).unsqueeze(1).expand(b, k)
             backend.use_static_metadata(
                 slot_mapping=node_slots.reshape(-1), block_tables=tables,
-                query_start=query_start_k, kv_lens=kv_after32 + (s + 1) * k, prefix_lens=kv_after32,
+                query_start=query_start_k, kv_lens=kv_lens, prefix_lens=kv_after32,
                 max_query_len=k, tree_mask=ancestors.reshape(b * k, width), use_tree=all_tree)
             extra = {"input_features": feats.reshape(b * k, -1)} if self.feature_head else {}
-            out = model(self._to_target(nodes.tokens).reshape(-1), positions.reshape(-1), backend, kv_pool, None,
-                        **extra)
+            out = model(ids.reshape(-1), positions.reshape(-1), backend, kv_pool, None, **extra)
             logits = model.compute_logits(out.hidden)  # (b*k, V)
             parent_hidden = out.hidden.view(b, k, -1)
-            nodes = builder.next_topk(*(t.view(b, k, k) for t in logprob_topk(logits, k)))
-        tokens, parents, count = select_tree_device(*builder.candidates(), shape.num_draft_tokens - 1)
+            values, indices = logprob_topk(logits, k)
+            if kernels:
+                ids, ranks, node_slots, positions = beam.expand(values, indices)
+            else:
+                nodes = builder.next_topk(values.view(b, k, k), indices.view(b, k, k))
+        candidates = beam.candidates() if kernels else builder.candidates()
+        tokens, parents, count = select_tree(*candidates, shape.num_draft_tokens - 1)
         mapped = torch.where(tokens >= 0, self._to_target(tokens.clamp(min=0)), tokens)
         return torch.cat([mapped, parents, count.unsqueeze(1)], dim=1)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.models.llama import _k, graph_capture_mode, use_step_kernels
 from runtime.speculative.draft_step import StaticDraftStep
 from runtime.speculative.verify_step import StaticVerifyStep, ancestor_mask
 
@@ -96,8 +97,12 @@ class FusedSteps:
         return s[:, 0], s[:, 1], s[:, 2], s[:, 3].bool(), s[:, 4:4 + m], s[:, 4 + m:4 + 2 * m]
 
     def to_verify(self, b: int) -> None:
-        """The current trees and states -> the verify step's packed inputs (ids, positions, slots, parents, start)."""
+        """The current trees and states -> the verify step's packed inputs (ids, positions, slots, parents, start).
+        In a CUDA graph one Triton launch (tandem_kernels/chain_glue.py), elsewhere these torch ops."""
         v, w = self.verify, self.width
+        if use_step_kernels(self.state):
+            _k("chain_glue").to_verify(self.state, v.inputs, self.verify_pad, b, w, v.table_col, v.block_size)
+            return
         root, tstart, _, live, tokens, parents = self._views(b)
         ids = torch.cat([root.unsqueeze(1), tokens.clamp(min=0)], dim=1)  # a missing node verifies token 0: rejected
         region_parents = torch.cat([torch.full_like(root, -1).unsqueeze(1),
@@ -114,8 +119,17 @@ class FusedSteps:
         aligned in the window, with the accepted rows' features); record the step; advance root and starts."""
         v, d, w = self.verify, self.draft, self.width
         q = d.shape.catch_up
-        root, tstart, dstart, live, _, _ = self._views(b)
         head = verified[:b * (2 * w + 1) * 8].view(torch.int64).view(b, 2 * w + 1)
+        if use_step_kernels(self.state):  # in a CUDA graph: two Triton launches (tandem_kernels/chain_glue.py)
+            glue = _k("chain_glue")
+            glue.to_draft(head, self.state, self.records[b], self.step_index, d.inputs, self.draft_pad, b, w, q,
+                          d.table_col, d.block_size)
+            self.step_index.add_(1)
+            if self.features:
+                feats = verified[b * (2 * w + 1) * 8:].view(v.runner.dtype).view(b, w, -1)
+                glue.to_draft_features(head, feats, d.features[:b * q], self.last_features[b], q)
+            return
+        root, tstart, dstart, live, _, _ = self._views(b)
         emitted, count = head[:, :w], head[:, 2 * w]
         record = torch.cat([emitted, count.unsqueeze(1)], dim=1).unsqueeze(0)
         self.records[b].index_copy_(0, self.step_index, record)
@@ -171,7 +185,7 @@ class FusedSteps:
         if self.state.device.type != "cuda" or not self.verify.graphs or not self.draft.graphs:
             return
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), graph_capture_mode():
             for b in reversed(self.sizes):
                 verified, drafted = self.verify.outputs[b], self.draft.outputs[b]
                 self.warm_up(b, verified, drafted)

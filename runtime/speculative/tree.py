@@ -57,6 +57,10 @@ class _Level:
     parents: torch.Tensor  # (b, c): flat candidate index of the parent, -1 = root
 
 
+# The fused log-softmax + top-k reads a row k + 1 times; past this width torch's radix select is the better kernel.
+TOPK_KERNEL_MAX_VOCAB = 32768
+
+
 @dataclass
 class BeamTreeBuilder:
     """Top-k tree expansion, batched over b sequences (SGLang select_top_k_tokens + organize_draft_results).
@@ -183,9 +187,22 @@ def auto_speculative_params(
     return entry.resolve_shape(architecture, num_steps, topk, num_draft_tokens, max_bfs_breadth=max_bfs_breadth)
 
 
+def logprob_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best (log-prob, token) of each row of draft logits, as first()/next() rank log-probs: inside a CUDA
+    graph one Triton kernel (tandem_kernels/topk.py; the torch path is ~5 kernels, ~24 µs a tree level on the H100),
+    elsewhere the exact ops of the eager drafters' first(log_softmax(logits))."""
+    from runtime.models.llama import _k, use_step_kernels
+
+    if use_step_kernels(logits) and logits.shape[-1] <= TOPK_KERNEL_MAX_VOCAB:
+        return _k("topk").logsoftmax_topk(logits, k)
+    return _safe(torch.log_softmax(logits.float(), dim=-1)).topk(k, dim=-1)
+
+
 def _safe(logprobs: torch.Tensor) -> torch.Tensor:
-    # torch.topk ranks NaN above everything; a NaN draft score must lose, never win.
-    return torch.nan_to_num(logprobs.float(), nan=-math.inf)
+    # torch.topk ranks NaN above everything; a NaN draft score must lose, never win. -inf stays -inf (nan_to_num's
+    # default would make it the float32 minimum): a token without mass is left out of the tree, as the topk kernel's
+    # -inf is.
+    return torch.nan_to_num(logprobs.float(), nan=-math.inf, neginf=-math.inf)
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

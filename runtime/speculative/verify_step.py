@@ -55,6 +55,16 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+def region_tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """ancestor_mask, in a CUDA graph one Triton launch (tandem_kernels/tree.region_mask) instead of ~3 kernels per
+    pointer-jumping round."""
+    from runtime.models.llama import _k, use_step_kernels
+
+    if use_step_kernels(parents):
+        return _k("tree").region_mask(parents)[0]
+    return ancestor_mask(parents)
+
+
 class StaticVerifyStep(StaticStep):
     """Greedy Verify of trees of exactly `width` region nodes for one target ModelRunner (triton backend)."""
 
@@ -90,7 +100,7 @@ class StaticVerifyStep(StaticStep):
         backend.use_static_metadata(
             slot_mapping=slots.reshape(-1), block_tables=tables,
             query_start=torch.arange(b + 1, device=dev, dtype=torch.int32) * w, kv_lens=start + w,
-            prefix_lens=start, max_query_len=w, tree_mask=ancestor_mask(parents).reshape(b * w, w),
+            prefix_lens=start, max_query_len=w, tree_mask=region_tree_mask(parents).reshape(b * w, w),
             use_tree=torch.ones(b, dtype=torch.int32, device=dev))
         out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, self.capture_layers)
         argmax = model.compute_logits(out.hidden).argmax(dim=-1).view(b, w)

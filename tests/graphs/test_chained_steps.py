@@ -38,6 +38,38 @@ async def test_chained_steps_greedy_matches_hf(models, algorithm, steps, topk, n
         await _assert_no_kv_leak(scheduler)
 
 
+@pytest.mark.parametrize("algorithm,steps,topk,ndt", [("EAGLE3", 4, 3, 10), ("STANDALONE", 3, 1, 4)])
+async def test_chained_steps_with_the_fused_kernels_match_hf(models, monkeypatch, algorithm, steps, topk, ndt):
+    """What the CUDA graphs run on a GPU, forced on here (the Triton interpreter): the fused norm/RoPE/SiLU, the
+    top-k, the tree selection, the region mask and the chain glue kernels; greedy output still equals HF."""
+    from runtime.models import llama as llama_model
+
+    used: set[str] = set()
+    real = llama_model._k
+
+    def spy(name):
+        used.add(name)
+        return real(name)
+
+    for module in ("runtime.models.llama", "runtime.speculative.fused_step"):
+        monkeypatch.setattr(f"{module}._k", spy)
+    path, _, hf = models
+    base = prompts(hf.config.vocab_size)
+    cases = [base[0], base[1] + [7, 7]]
+    with llama_model.fused_elementwise(True):
+        async with local_stack(path, algorithm=algorithm, draft_path=_draft(models, algorithm), num_steps=steps,
+                               topk=topk, num_draft_tokens=ndt, colocate=True, static_steps=True,
+                               inline_steps=False, static_max_bs=4, num_continuous_decode_steps=3) as scheduler:
+            chained = scheduler.test_servicers[0].chained
+            results = await asyncio.gather(*(generate_ids(scheduler, p, 14, request_id=f"r{i}")
+                                             for i, p in enumerate(cases)))
+            for prompt, (got, _, _) in zip(cases, results):
+                assert got == hf_greedy(hf, prompt, 14)
+            assert chained.num_runs > 0
+            await _assert_no_kv_leak(scheduler)
+    assert {"chain_glue", "tree", "topk", "norm"} <= used, used
+
+
 async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models):
     """A stop token met inside a chained run ends the sequence there (the device's later steps are dropped): the
     same tokens and finish reasons as the step-by-step stack, for stops at several depths."""

@@ -15,6 +15,7 @@ from draft_service.proposer import SpecShape
 from draft_service.standalone import StandaloneProposer
 from runtime.config import EngineConfig
 from runtime.model_runner import ModelRunner
+from runtime.speculative import draft_step
 from runtime.speculative.draft_step import select_tree_device
 from runtime.speculative.tree import BeamTreeBuilder, _select_closed
 from tests.graphs.test_graph_paths import _config, _record_trees, _standalone_loop
@@ -104,14 +105,16 @@ def test_standalone_static_step_matches_eager(llama, spec, monkeypatch):
     assert static_p.runner.num_free_tokens() == eager_p.runner.num_free_tokens()  # no leaked scratch blocks
 
 
-def test_static_step_with_the_fused_topk_kernel_matches_eager(llama, monkeypatch):
+def test_static_step_with_the_fused_topk_and_selection_kernels_matches_eager(llama, monkeypatch):
     """Inside a CUDA graph the static step ranks each row with tandem_kernels/topk.py (log-softmax + top-k in one
-    launch) instead of torch's five kernels: forced on here (the Triton interpreter), the same trees as eager."""
+    launch) instead of torch's five kernels and re-ranks the candidates with tandem_kernels/tree.select_tree: forced
+    on here (the Triton interpreter), the same trees as eager."""
     from runtime.models import llama as llama_model
 
     used: list[str] = []
     real = llama_model._k
-    monkeypatch.setattr(llama_model, "_k", lambda name: used.append(name) or real(name))
+    for module in (llama_model, draft_step):
+        monkeypatch.setattr(module, "_k", lambda name: used.append(name) or real(name))
     rng = random.Random(5)
     prompts = {f"s{i}": [rng.randrange(3, 320) for _ in range(5 + i)] for i in range(3)}
     results = []
@@ -123,7 +126,7 @@ def test_static_step_with_the_fused_topk_kernel_matches_eager(llama, monkeypatch
         target = ModelRunner(llama, EngineConfig(device="cpu", dtype="float32", max_total_tokens=2048, block_size=4))
         with llama_model.fused_elementwise(static):
             results.append((_standalone_loop(target, proposer, prompts, TREE, steps=3), trees))
-    assert "topk" in used
+    assert {"topk", "tree"} <= set(used), set(used)
     assert results[0] == results[1]
 
 
