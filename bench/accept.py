@@ -165,8 +165,9 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
         start = time.perf_counter()
         results = run_prompts(stub, prompts, args.max_new_tokens, args)
         elapsed = time.perf_counter() - start
-        outputs = [ids for _, ids in results]
-        for usage, _ in results:
+        outputs = [ids for _, ids, _ in results]
+        ttft = sum(first for _, _, first in results) / len(results)
+        for usage, _, _ in results:
             tokens += usage.completion_tokens
             steps += usage.verify_steps + 1
             accepted += usage.accepted_draft_tokens
@@ -184,6 +185,9 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
             # ms per step of the batch: with `concurrency` requests in flight, `concurrency` sequence-steps at once
             "tokens_per_s": tokens / elapsed, "seconds": elapsed, "concurrency": args.concurrency,
             "ms_per_step": 1e3 * elapsed * args.concurrency / steps, **rpc_ms,
+            # the time to first token (prefill, the first draft, the gateway) and the rate after it, per stream
+            "ttft_ms": 1e3 * ttft, "decode_tokens_per_s": (tokens - len(prompts)) / (elapsed - ttft * len(prompts))
+            if args.concurrency <= 1 else None,
             **({"profile": profiled} if args.profile_dir else {}), "outputs": outputs}
 
 
@@ -257,7 +261,7 @@ def hf_peers(prompts: list[str] | list[list[int]], args) -> list[dict]:
     return rows
 
 
-def run_prompts(stub, prompts: list, max_new_tokens: int, args) -> list[tuple[pb.GenerateUsage, list[int]]]:
+def run_prompts(stub, prompts: list, max_new_tokens: int, args) -> list[tuple[pb.GenerateUsage, list[int], float]]:
     """The prompts' Generates, `args.concurrency` streams in flight at once (1: one after another); in order."""
     if args.concurrency <= 1:
         return [stub_generate(stub, prompt, max_new_tokens, args) for prompt in prompts]
@@ -267,17 +271,21 @@ def run_prompts(stub, prompts: list, max_new_tokens: int, args) -> list[tuple[pb
         return list(pool.map(lambda prompt: stub_generate(stub, prompt, max_new_tokens, args), prompts))
 
 
-def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args) -> tuple[pb.GenerateUsage, list[int]]:
-    """One streamed Generate: its usage and every token id it committed."""
+def stub_generate(stub, prompt: str | list[int], max_new_tokens: int, args
+                  ) -> tuple[pb.GenerateUsage, list[int], float]:
+    """One streamed Generate: its usage, every token id it committed and the seconds to its first token."""
     source = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
     request = pb.GenerateRequest(**source, max_new_tokens=max_new_tokens, temperature=args.temperature,
                                  ignore_eos=True)
     if args.temperature > 0:
         request.seed = 1
-    last, ids = None, []
+    last, ids, first = None, [], None
+    start = time.perf_counter()
     for last in stub.Generate(request, timeout=600):
+        if first is None and last.token_ids:
+            first = time.perf_counter() - start
         ids.extend(last.token_ids)
-    return last.usage, ids
+    return last.usage, ids, first if first is not None else float("nan")
 
 
 def main() -> None:
@@ -308,7 +316,8 @@ def main() -> None:
         results.append(run_config(name, CONFIGS[name], prompts, args))
         r = results[-1]
         print(f"  {name}: {r['tokens_per_s']:.1f} tok/s, mean accept length {r['mean_accept_length']:.2f}, "
-              f"{r.get('ms_per_step', float('nan')):.2f} ms per step", flush=True)
+              f"{r.get('ms_per_step', float('nan')):.2f} ms per step, TTFT {r.get('ttft_ms', float('nan')):.2f} ms",
+              flush=True)
         if args.out:
             Path(args.out).with_suffix(".partial.json").write_text(json.dumps(results, indent=2))
     if args.hf_peers:
@@ -319,14 +328,14 @@ def main() -> None:
         if ar and "outputs" in r and args.temperature == 0:  # greedy speculation must reproduce plain decoding
             r["identical_to_ar"] = r["outputs"] == ar["outputs"]
     print(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in results], indent=2))
-    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | ms per step | Propose RPCs (ms) | "
-          "Verify RPCs (ms) | output == AR |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | mean accept length | accept rate | tok/s | speedup vs AR | ms per step | TTFT ms | "
+          "Propose RPCs (ms) | Verify RPCs (ms) | output == AR |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         speedup = f"{r['speedup_vs_ar']:.2f}x" if r["speedup_vs_ar"] else "-"
         same = {True: "yes", False: "**NO**"}.get(r.get("identical_to_ar"), "-")
         print(f"| {r['config']} | {r['mean_accept_length']:.2f} | {r['accept_rate']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {speedup} | {r.get('ms_per_step', float('nan')):.2f} | "
-              f"{r.get('draft_rpcs', 0)} ({r.get('draft_rpc_ms', 0):.2f}) | "
+              f"{r.get('ttft_ms', float('nan')):.2f} | {r.get('draft_rpcs', 0)} ({r.get('draft_rpc_ms', 0):.2f}) | "
               f"{r.get('verify_rpcs', 0)} ({r.get('verify_rpc_ms', 0):.2f}) | {same} |")
     profiled = [r for r in results if r.get("profile")]
     if profiled:  # Python busy ms per step of each process (--profile-dir: the summaries' first numbers)

@@ -68,7 +68,7 @@ def run(name: str, flags: list[str], prompts, batch: int, args) -> dict:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
-    usages = [u for u, _ in results]
+    usages = [u for u, _, _ in results]
     tokens = sum(u.completion_tokens for u in usages)
     steps = sum(u.verify_steps for u in usages)
     hits, misses = sum(u.predraft_hits for u in usages), sum(u.predraft_misses for u in usages)
