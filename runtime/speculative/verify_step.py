@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.models.llama import _k, use_step_kernels
 from runtime.speculative.static_step import StaticStep
 
 
@@ -58,8 +59,6 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 def region_tree_mask(parents: torch.Tensor) -> torch.Tensor:
     """ancestor_mask, in a CUDA graph one Triton launch (tandem_kernels/tree.region_mask) instead of ~3 kernels per
     pointer-jumping round."""
-    from runtime.models.llama import _k, use_step_kernels
-
     if use_step_kernels(parents):
         return _k("tree").region_mask(parents)[0]
     return ancestor_mask(parents)
@@ -104,6 +103,19 @@ class StaticVerifyStep(StaticStep):
             use_tree=torch.ones(b, dtype=torch.int32, device=dev))
         out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, self.capture_layers)
         argmax = model.compute_logits(out.hidden).argmax(dim=-1).view(b, w)
+        feats = None
+        if self.capture_layers:
+            feats = model.norm(out.features) if self.final_norm else out.features
+        if use_step_kernels(argmax):  # in a CUDA graph: the walk with its epilogue in one launch
+            head_bytes = b * (2 * w + 1) * 8
+            result = torch.empty(head_bytes + (b * w * feats.shape[-1] * feats.element_size() if feats is not None
+                                               else 0), dtype=torch.uint8, device=dev)
+            head = result[:head_bytes].view(torch.int64).view(b, 2 * w + 1)
+            src, dst, rows = _k("verify_greedy").verify_tree_greedy_packed(ids, parents, argmax, slots, head)
+            self._compact(src.view(-1), dst.view(-1))
+            if feats is not None:
+                torch.index_select(feats, 0, rows.view(-1), out=result[head_bytes:].view(feats.dtype).view(b * w, -1))
+            return result
         accept_index, emitted, accept_lens = self._walk(ids.contiguous(), parents.contiguous(), argmax)
         accept_index, emitted, lens = accept_index.long(), emitted.long(), accept_lens.long()
         # Compaction: region node accept_index[j] -> region index j, for the root's successors on the path.
@@ -113,10 +125,7 @@ class StaticVerifyStep(StaticStep):
         self._compact(src.reshape(-1), slots.reshape(-1))
         result = torch.cat([emitted, accept_index, lens.unsqueeze(1)], dim=1)  # (b, 2W + 1) int64
         parts = [result.view(torch.uint8).reshape(-1)]
-        if self.capture_layers:
-            feats = out.features
-            if self.final_norm:
-                feats = model.norm(feats)
+        if feats is not None:
             rows = (torch.arange(b, device=dev).unsqueeze(1) * w + accept_index.clamp(min=0)).reshape(-1)
             parts.append(feats[rows].contiguous().view(torch.uint8).reshape(-1))
         return torch.cat(parts)

@@ -41,7 +41,8 @@ async def test_chained_steps_greedy_matches_hf(models, algorithm, steps, topk, n
 @pytest.mark.parametrize("algorithm,steps,topk,ndt", [("EAGLE3", 4, 3, 10), ("STANDALONE", 3, 1, 4)])
 async def test_chained_steps_with_the_fused_kernels_match_hf(models, monkeypatch, algorithm, steps, topk, ndt):
     """What the CUDA graphs run on a GPU, forced on here (the Triton interpreter): the fused norm/RoPE/SiLU, the
-    top-k, the tree selection, the region mask and the chain glue kernels; greedy output still equals HF."""
+    top-k, the tree levels and selection, the region mask, the packed walk and the chain glue kernels; greedy output
+    still equals HF."""
     from runtime.models import llama as llama_model
 
     used: set[str] = set()
@@ -51,7 +52,8 @@ async def test_chained_steps_with_the_fused_kernels_match_hf(models, monkeypatch
         used.add(name)
         return real(name)
 
-    for module in ("runtime.models.llama", "runtime.speculative.fused_step"):
+    for module in ("runtime.models.llama", "runtime.speculative.fused_step", "runtime.speculative.draft_step",
+                   "runtime.speculative.verify_step"):
         monkeypatch.setattr(f"{module}._k", spy)
     path, _, hf = models
     base = prompts(hf.config.vocab_size)
@@ -67,7 +69,7 @@ async def test_chained_steps_with_the_fused_kernels_match_hf(models, monkeypatch
                 assert got == hf_greedy(hf, prompt, 14)
             assert chained.num_runs > 0
             await _assert_no_kv_leak(scheduler)
-    assert {"chain_glue", "tree", "topk", "norm"} <= used, used
+    assert {"chain_glue", "tree", "topk", "verify_greedy", "norm"} <= used, used
 
 
 async def test_chained_equals_step_by_step_with_stop_tokens_inside_a_run(models):

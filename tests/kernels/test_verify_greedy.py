@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tandem_kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_ref
+from tandem_kernels.verify_greedy import verify_tree_greedy, verify_tree_greedy_packed, verify_tree_greedy_ref
 from runtime.speculative.tree import DraftTree
 from runtime.speculative.verify import verify_greedy
 
@@ -66,3 +66,26 @@ def test_verify_greedy_asserts_shapes(device):
         verify_tree_greedy(t, t[:, :3].contiguous(), t)
     with pytest.raises(ValueError, match="int32/int64"):
         verify_tree_greedy(t, t, t.float())
+
+
+@pytest.mark.parametrize("num_seqs,num_nodes", [(1, 1), (4, 2), (7, 9), (3, 17)])
+def test_packed_walk_equals_the_walk_and_the_torch_epilogue(num_seqs, num_nodes, device):
+    """The static verify step's launch (walk + epilogue) writes the head row the torch epilogue concatenates and the
+    compaction moves / feature rows it computes, reading row-strided inputs (views of the packed input rows)."""
+    cand, par, pred, _ = _random_batch(num_seqs, num_nodes, 4, seed=num_nodes + 100)
+    packed = torch.zeros(num_seqs, 5 * num_nodes, dtype=torch.int64)  # [cand, par, slots, pred, spare] per row
+    packed[:, :num_nodes], packed[:, num_nodes:2 * num_nodes] = cand, par.long()
+    packed[:, 2 * num_nodes:3 * num_nodes] = torch.randperm(num_seqs * num_nodes * 2)[:num_seqs * num_nodes].view(
+        num_seqs, num_nodes)
+    packed = packed.to(device)
+    views = [packed[:, i * num_nodes:(i + 1) * num_nodes] for i in range(3)]
+    head = torch.full((num_seqs, 2 * num_nodes + 1), 77, dtype=torch.int64, device=device)
+    src, dst, rows = verify_tree_greedy_packed(views[0], views[1], pred.to(device), views[2], head)
+    accept_index, emitted, lens = (t.long() for t in verify_tree_greedy_ref(cand, par, pred))
+    assert torch.equal(head.cpu(), torch.cat([emitted, accept_index, lens.unsqueeze(1)], dim=1))
+    slots = views[2].cpu()
+    j = torch.arange(num_nodes).expand(num_seqs, num_nodes)
+    moves = (j >= 1) & (j < lens.unsqueeze(1)) & (accept_index != j)
+    want_src = torch.where(moves, slots.gather(1, accept_index.clamp(min=0)), torch.full_like(slots, -1))
+    assert torch.equal(src.cpu(), want_src) and torch.equal(dst.cpu(), slots)
+    assert torch.equal(rows.cpu(), torch.arange(num_seqs).unsqueeze(1) * num_nodes + accept_index.clamp(min=0))
