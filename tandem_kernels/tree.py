@@ -6,8 +6,11 @@ each, the step GPU-bound by their count).
   three kernels a round, ceil(log2(W)) rounds).
 - `select_tree`: the final re-rank of a beam tree's candidates to the best `budget`, in flat-index order with their
   parents as node indices (runtime/speculative/draft_step.select_tree_device: two sorts, a scatter and ~40 kernels).
+- `DeviceBeam`: a beam tree level (BeamTreeBuilder.first_topk / next_topk) with the inputs of the level's forward
+  (ancestor mask, KV slots, positions, kv lengths, ids): ~38 kernels a level in the torch path.
 
-One program per sequence; values equal the torch paths' exactly (integer work and comparisons only).
+One program per sequence; values equal the torch paths' exactly (integer work, comparisons and one fp32 add per
+candidate, as BeamTreeBuilder adds its scores).
 """
 
 from __future__ import annotations
@@ -17,6 +20,16 @@ import triton
 import triton.language as tl
 
 from tandem_kernels._common import check, next_pow2
+
+@triton.jit
+def _next_best(score, idx, valid, last_v, last_i, NONE):
+    """Of the valid entries ranked after (last_v, last_i) in the order score desc, index asc (a stable descending
+    sort), the first: (its score, its index), or (-inf, NONE) when none is left."""
+    later = valid & ((score < last_v) | ((score == last_v) & (idx > last_i)))
+    best_v = tl.max(tl.where(later, score, float("-inf")), axis=0)
+    best_i = tl.min(tl.where(later & (score == best_v), idx, NONE), axis=0)
+    return best_v, best_i
+
 
 @triton.jit
 def _region_mask_kernel(par_ptr, mask_ptr, depth_ptr, W, BLOCK: tl.constexpr):
@@ -65,9 +78,7 @@ def _select_tree_kernel(
     last_v = tl.full((), float("inf"), tl.float32)
     last_i = tl.full((), -1, tl.int64)
     for _ in range(BUDGET):
-        later = ok & ((s < last_v) | ((s == last_v) & (i > last_i)))
-        best_v = tl.max(tl.where(later, s, float("-inf")), axis=0)
-        best_i = tl.min(tl.where(later & (s == best_v), i, C), axis=0)
+        best_v, best_i = _next_best(s, i, ok, last_v, last_i, C)
         last_v = tl.where(best_i < C, best_v, last_v)  # past the last candidate: keep the bound
         last_i = tl.where(best_i < C, best_i.to(tl.int64), last_i)
     chosen = ok & ((s > last_v) | ((s == last_v) & (i <= last_i)))
@@ -144,9 +155,7 @@ def _beam_level_kernel(
         last_v = tl.full((), float("inf"), tl.float32)
         last_i = tl.full((), -1, tl.int64)
         for t in range(K):
-            later = inside & ((score < last_v) | ((score == last_v) & (idx > last_i)))
-            best_v = tl.max(tl.where(later, score, float("-inf")), axis=0)
-            best_i = tl.min(tl.where(later & (score == best_v), idx, KK), axis=0)
+            best_v, best_i = _next_best(score, idx, inside, last_v, last_i, KK)
             best = tl.where(r == t, best_i, best)
             last_v = best_v
             last_i = best_i
