@@ -42,9 +42,10 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object]]]:
                   {"SLOT_SIZE": 1024, "BLOCK_MOVES": 16, "BLOCK_D": 256}))
     cases.append(("verify_tree_greedy", _verify_greedy_kernel,
                   {"candidates_ptr": "*i64", "parents_ptr": "*i32", "target_ptr": "*i64", "accept_index_ptr": "*i32",
-                   "emitted_ptr": "*i32", "accept_len_ptr": "*i32", "stride_c": "i32", "stride_p": "i32",
-                   "stride_t": "i32", "stride_a": "i32", "stride_e": "i32"},
-                  {"NUM_NODES": 65, "BLOCK": 128}))
+                   "emitted_ptr": "*i32", "accept_len_ptr": "*i32", "slots_ptr": "*i32", "src_ptr": "*i32",
+                   "dst_ptr": "*i32", "rows_ptr": "*i32", "stride_c": "i32", "stride_p": "i32", "stride_t": "i32",
+                   "stride_a": "i32", "stride_e": "i32", "stride_l": "i32", "stride_s": "i32"},
+                  {"NUM_NODES": 65, "BLOCK": 128, "PACK": False}))
     return cases
 
 
