@@ -243,8 +243,9 @@ for s in $STAGES; do
         tests/kernels/test_tree_kernels.py tests/kernels/test_chain_glue.py tests/kernels/test_fused_elementwise.py \
         > "$R/fewer_kernels_tests.log" 2>&1
       tail -2 "$R/fewer_kernels_tests.log"
-      timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lossless_gpu.py -k chained \
-        tests/gpu/test_draft_step_gpu.py > "$R/fewer_kernels_chained_tests.log" 2>&1
+      timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_pinned_gpu.py \
+        tests/gpu/test_lossless_gpu.py -k "chained or pinned or static" tests/gpu/test_draft_step_gpu.py \
+        > "$R/fewer_kernels_chained_tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$R/fewer_kernels_chained_tests.log" | tail -4
       timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
         STANDALONE-chain --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \

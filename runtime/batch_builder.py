@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import pinned
 from runtime.forward_batch import ForwardBatch, ForwardMode, SeqAttention
 from runtime.kv_cache import BlockManager, OutOfKVBlocks
 
@@ -60,10 +61,7 @@ def seq_state(seqs: dict[str, SeqState], seq_id: str) -> SeqState:
 
 
 def to_device_long(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()  # a pageable host->device copy would wait for the GPU
-    return host.to(device, non_blocking=True)
+    return pinned.to_device(torch.tensor(values, dtype=torch.int64), device)  # async from pinned memory on CUDA
 
 
 def validate_batch(batch: list[SeqForward], seqs: dict[str, SeqState], vocab_size: int) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import pinned
 from runtime.forward_batch import ForwardBatch, SeqAttention
 
 if TYPE_CHECKING:
@@ -222,8 +223,7 @@ class CudaGraphRunner:
         host[1, :len(positions)] = torch.tensor(positions)
         host[2] = torch.tensor(slot_mapping + [-1] * pad)
         host[3, :len(logits_indices)] = torch.tensor(logits_indices, dtype=torch.int64)
-        on_cuda = self.inputs.device.type == "cuda"
-        self.inputs[:, :num_tokens].copy_(host.pin_memory() if on_cuda else host, non_blocking=on_cuda)
+        pinned.copy_to(self.inputs[:, :num_tokens], host)
         return (self.inputs[0, :num_tokens], self.inputs[1, :num_tokens], self.inputs[2, :num_tokens],
                 self.inputs[3, :len(logits_indices)])
 

@@ -26,6 +26,7 @@ except ModuleNotFoundError as exc:
         raise
     raise ImportError("attention backend 'triton' needs the triton package (3.6.x; the 'test' extra installs it)") from exc
 
+from runtime import pinned
 from runtime.attention import AttentionBackend, register_backend
 from runtime.forward_batch import ForwardBatch, tree_mask_rows
 from runtime.kv_pool import KVPool
@@ -112,10 +113,10 @@ class TritonAttentionBackend(AttentionBackend):
         tables, info, mask = _host_metadata(batch, num_seqs, query_len, num_tokens, pad_kv_len=query_len)
         device = g.block_tables.device
         if batch is not None:
-            g.block_tables[:num_seqs, :tables.shape[1]].copy_(_pinned(tables), non_blocking=device.type == "cuda")
-            g.seq_info[:, :num_seqs + 1].copy_(_pinned(info), non_blocking=device.type == "cuda")
+            pinned.copy_to(g.block_tables[:num_seqs, :tables.shape[1]], tables)
+            pinned.copy_to(g.seq_info[:, :num_seqs + 1], info)
             if mask is not None:
-                g.tree_mask[:num_tokens, :mask.shape[1]].copy_(_pinned(mask), non_blocking=device.type == "cuda")
+                pinned.copy_to(g.tree_mask[:num_tokens, :mask.shape[1]], mask)
         else:
             g.block_tables[:num_seqs].zero_()
             g.seq_info[:, :num_seqs + 1].copy_(torch.from_numpy(info))
@@ -203,13 +204,6 @@ def _host_metadata(
     return tables, info, mask
 
 
-def _pinned(array: np.ndarray) -> torch.Tensor:
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    return host.pin_memory() if torch.cuda.is_available() else host
-
-
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
     # Pinned source + non_blocking: the copy is queued on the stream; the host does not wait for the GPU.
-    return _pinned(array).to(device, non_blocking=True)
+    return pinned.to_device(array, device)
