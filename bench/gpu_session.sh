@@ -236,25 +236,24 @@ for s in $STAGES; do
           --out-dir "$R/services_bs_$c" -- --cuda-graph-max-bs 64 $extra > "$R/services_bs_$c.log" 2>&1
         echo "-- $c"; cat "$R/services_bs_$c/results.md" 2>/dev/null || tail -5 "$R/services_bs_$c.log"
       done ;;
-    fewer_kernels)  # the speculative steps' own kernels (tandem_kernels/topk.py, tree.py, chain_glue.py: sessions
-      # 16-18): their GPU tests and the chained GPU lossless tests, then the demo user path with them (the default)
-      # and without (TANDEM_STEP_KERNELS=0: torch's ops in the same graphs), plain decoding once
-      timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
-        tests/kernels/test_tree_kernels.py tests/kernels/test_chain_glue.py tests/kernels/test_fused_elementwise.py \
-        > "$R/fewer_kernels_tests.log" 2>&1
+    fewer_kernels)  # the speculative steps' own kernels (tandem_kernels/topk.py, tree.py, chain_glue.py, the packed
+      # walk: sessions 16-18) and the pinned arena: their GPU tests, the demo user path with them (the default) and
+      # without (TANDEM_STEP_KERNELS=0: torch's ops in the same graphs), then the static/chained GPU lossless tests
+      timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_topk.py \
+        tests/kernels/test_tree_kernels.py tests/kernels/test_chain_glue.py tests/kernels/test_verify_greedy.py \
+        tests/kernels/test_fused_elementwise.py tests/gpu/test_pinned_gpu.py > "$R/fewer_kernels_tests.log" 2>&1
       tail -2 "$R/fewer_kernels_tests.log"
-      timeout -s INT 150 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_pinned_gpu.py \
-        tests/gpu/test_lossless_gpu.py -k "chained or pinned or static" tests/gpu/test_draft_step_gpu.py \
-        > "$R/fewer_kernels_chained_tests.log" 2>&1
-      grep -E "passed|failed|FAILED|Error" "$R/fewer_kernels_chained_tests.log" | tail -4
-      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
-        STANDALONE-chain --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
+      timeout 230 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        STANDALONE-chain EAGLE3-auto --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_fewer_kernels.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_fewer_kernels.log" | tail -8
-      TANDEM_STEP_KERNELS=0 timeout 150 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs \
+      TANDEM_STEP_KERNELS=0 timeout 120 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_no_step_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_no_step_kernels.log" 2>&1
-      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_no_step_kernels.log" | tail -8 ;;
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_no_step_kernels.log" | tail -8
+      timeout -s INT 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
+        tests/gpu/test_draft_step_gpu.py -k "chained or static" > "$R/fewer_kernels_chained_tests.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$R/fewer_kernels_chained_tests.log" | tail -4 ;;
     services_bs8)  # is the 1-s batch-8 Prefill with run-ahead (services_bs, session 16) a one-time cost? batch 8 three
       # times around 64, run-ahead on then off, with the Triton kernels each run JIT-compiled
       for c in default noahead; do
