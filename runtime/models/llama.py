@@ -59,7 +59,8 @@ _STEP_KERNELS = os.environ.get("TANDEM_STEP_KERNELS", "1").strip().lower() not i
 
 
 def use_step_kernels(x: torch.Tensor) -> bool:
-    return _STEP_KERNELS and use_fused(x)
+    # Under torch.compile (--enable-torch-compile) the steps keep torch's ops, which inductor fuses itself.
+    return _STEP_KERNELS and use_fused(x) and not torch.compiler.is_compiling()
 
 
 @contextmanager
