@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: fewer_kernels services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session15_h200/NOTES.md):
 # `services_bs gateway_overhead profile_eagle3 spec8b_full` in one call (why the services' plain decoding at batch 8-64
 # runs at half the handler-time rate; where the demo's chained EAGLE3 step and request start go; 8B batch 64 at the
@@ -254,6 +254,19 @@ for s in $STAGES; do
       timeout -s INT 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
         tests/gpu/test_draft_step_gpu.py -k "chained or static" > "$R/fewer_kernels_chained_tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$R/fewer_kernels_chained_tests.log" | tail -4 ;;
+    fewer_kernels_ab)  # fewer_kernels on little device time: the A/B first (plain decoding, EAGLE3 5/4/16 with the
+      # step kernels, EAGLE3 5/4/16 without), then the kernels' GPU tests
+      timeout 150 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
+        --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_fewer_kernels.log" 2>&1
+      grep -E "^\| " "$R/accept_fewer_kernels.log" | tail -4
+      TANDEM_STEP_KERNELS=0 timeout 80 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs \
+        EAGLE3-tree --out "$R/accept_no_step_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
+        > "$R/accept_no_step_kernels.log" 2>&1
+      grep -E "^\| " "$R/accept_no_step_kernels.log" | tail -3
+      timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_kernels.py \
+        tests/kernels/test_chain_glue.py tests/kernels/test_verify_greedy.py tests/gpu/test_pinned_gpu.py \
+        > "$R/fewer_kernels_tests.log" 2>&1
+      tail -2 "$R/fewer_kernels_tests.log" ;;
     services_bs8)  # is the 1-s batch-8 Prefill with run-ahead (services_bs, session 16) a one-time cost? batch 8 three
       # times around 64, run-ahead on then off, with the Triton kernels each run JIT-compiled
       for c in default noahead; do
