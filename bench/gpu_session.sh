@@ -254,15 +254,15 @@ for s in $STAGES; do
       timeout -s INT 120 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_lossless_gpu.py \
         tests/gpu/test_draft_step_gpu.py -k "chained or static" > "$R/fewer_kernels_chained_tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$R/fewer_kernels_chained_tests.log" | tail -4 ;;
-    fewer_kernels_ab)  # fewer_kernels on little device time: the A/B first (plain decoding, EAGLE3 5/4/16 with the
-      # step kernels, EAGLE3 5/4/16 without), then the kernels' GPU tests
-      timeout 150 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-tree \
-        --out "$R/accept_fewer_kernels.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_fewer_kernels.log" 2>&1
-      grep -E "^\| " "$R/accept_fewer_kernels.log" | tail -4
-      TANDEM_STEP_KERNELS=0 timeout 80 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs \
-        EAGLE3-tree --out "$R/accept_no_step_kernels.json" -- --device cuda --cuda-graph-max-bs 8 \
-        > "$R/accept_no_step_kernels.log" 2>&1
-      grep -E "^\| " "$R/accept_no_step_kernels.log" | tail -3
+    fewer_kernels_ab)  # fewer_kernels on little device time: EAGLE3 5/4/16 with the step kernels, without, then
+      # plain decoding (three servers, one machine), then the kernels' GPU tests
+      for c in on off AR; do
+        cfg=EAGLE3-tree; [ $c = AR ] && cfg=AR
+        env $([ $c = off ] && echo TANDEM_STEP_KERNELS=0) timeout 75 python3 bench/accept.py --num-prompts 4 \
+          --max-new-tokens 128 --configs $cfg --out "$R/accept_ab_$c.json" -- --device cuda --cuda-graph-max-bs 8 \
+          > "$R/accept_ab_$c.log" 2>&1
+        echo "-- $c"; grep -E "^\| [A-Z]" "$R/accept_ab_$c.log" | tail -1
+      done
       timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_tree_kernels.py \
         tests/kernels/test_chain_glue.py tests/kernels/test_verify_greedy.py tests/gpu/test_pinned_gpu.py \
         > "$R/fewer_kernels_tests.log" 2>&1
