@@ -25,7 +25,7 @@ from runtime.models.eagle import (
     load_target_embedding_and_head,
     materialize,
 )
-from runtime.models.llama import MLP, Attention, ModelOutput, RMSNorm, RotaryEmbedding
+from runtime.models.llama import MLP, Attention, ModelOutput, RMSNorm, RotaryEmbedding, _k, use_fused
 
 _LEGACY_NAMES = {"midlayer.": "layers.0.", "aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.",
                  "aux_norm_high.": "fc_norm.2."}
@@ -100,8 +100,13 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, e, h, cos, sin, backend, kv_pool) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(e), self.hidden_norm(h)], dim=-1)  # (N, 2H)
-        h = h + self.self_attn(x, cos, sin, backend, kv_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(x, cos, sin, backend, kv_pool)
+        norm = self.post_attention_layernorm
+        if use_fused(attn):  # the residual add inside the norm's launch, rounded as torch rounds `h + attn`
+            normed, h = _k("norm").fused_add_rms_norm(attn, h, norm.weight, norm.eps)
+            return h + self.mlp(normed)
+        h = h + attn
+        return h + self.mlp(norm(h))
 
 
 @register_model(EAGLE3_ARCH)

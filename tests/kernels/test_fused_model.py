@@ -225,3 +225,29 @@ def test_eagle_heads_fused_path_matches_torch_path(kind, tiny_path, tmp_path, mo
     assert set(used) == {"norm", "rope", "activation"}
     for want, got in zip(*outs):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_head_fused_path_matches_torch_path(tiny_path, tmp_path, device):
+    """The EAGLE-3 decoder layer's fused form (its post-attention residual add inside the norm's launch) gives the
+    torch path's logits and recurrent hidden, prefill and a step."""
+    from runtime.models.eagle import load_draft_head
+    from tests.eagle.heads import make_eagle3_head
+
+    target = tiny_path("llama")
+    head = make_eagle3_head(target, str(tmp_path / "eagle3"), draft_vocab_size=96)
+    cfg = EngineConfig(device=str(device), dtype="float32", block_size=4, max_total_tokens=512,
+                       attention_backend="torch")
+    outs = []
+    for fused in (False, True):
+        model, config = load_draft_head(head, target, cfg, "EAGLE3")
+        runner = ModelRunner(None, cfg, config, model=model)
+        runner.add_seq("s")
+        feats = model.project_features(torch.randn(6, 3 * 64, generator=torch.Generator().manual_seed(0)).to(device))
+        with llama.fused_elementwise(fused), torch.no_grad():
+            first = runner.forward([SeqForward("s", _tokens(6, 4), logits="all", capture_hidden=True,
+                                               input_features=feats)])
+            step = runner.forward([SeqForward("s", [9], logits="last", capture_hidden=True,
+                                              input_features=first.hidden[0][-1:])])
+        outs.append([first.logits[0], first.hidden[0], step.logits[0], step.hidden[0]])
+    for w, g in zip(*outs):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
