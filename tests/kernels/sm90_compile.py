@@ -70,18 +70,30 @@ def sm90_compiler():
     return compile_sm90
 
 
-def main() -> int:
+def compile_all(cases, check=None) -> int:
+    """Compile (name, kernel, types, constexprs, options) cases for sm_90, printing 'name: ok' for each; 1 at the
+    first failure or when check(name, compiled) returns a problem, 0 when all compile (or 'skip: ...' printed)."""
     compile_sm90 = sm90_compiler()
     if isinstance(compile_sm90, str):
         print(compile_sm90)
         return 0
-    for name, kernel, types, constexprs in _cases():
-        compiled = compile_sm90(kernel, types, constexprs)
-        if compiled.metadata.shared > 227 * 1024:  # an H100/H200 SM's shared memory
-            print(f"{name}: needs {compiled.metadata.shared} bytes of shared memory")
+    for name, kernel, types, constexprs, options in cases:
+        compiled = compile_sm90(kernel, types, constexprs, options)
+        problem = check(name, compiled) if check else None
+        if problem:
+            print(f"{name}: {problem}")
             return 1
-        print(f"{name}: ok")
+        print(f"{name}: ok", flush=True)
     return 0
+
+
+def main() -> int:
+    def shared_memory(name, compiled):
+        if compiled.metadata.shared > 227 * 1024:  # an H100/H200 SM's shared memory
+            return f"needs {compiled.metadata.shared} bytes of shared memory"
+        return None
+
+    return compile_all(((*case, None) for case in _cases()), shared_memory)
 
 
 if __name__ == "__main__":

@@ -38,19 +38,16 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object], int, 
 
 
 def main() -> int:
-    from tests.kernels.sm90_compile import sm90_compiler
+    from tests.kernels.sm90_compile import compile_all
 
-    compile_sm90 = sm90_compiler()
-    if isinstance(compile_sm90, str):
-        print(compile_sm90)
-        return 0
-    for name, kernel, types, constexprs, num_warps, fp_fusion in _cases():
-        compiled = compile_sm90(kernel, types, constexprs, {"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
+    def no_bf16_fma(name, compiled):
         if name.startswith("rotary[bf16") and "fma.rn.bf16" in compiled.asm["ptx"]:
-            print(f"{name}: contracted a product into an fma (torch rounds each product)")
-            return 1
-        print(f"{name}: ok")
-    return 0
+            return "contracted a product into an fma (torch rounds each product)"
+        return None
+
+    cases = ((name, kernel, types, constexprs, {"num_warps": warps, "enable_fp_fusion": fusion})
+             for name, kernel, types, constexprs, warps, fusion in _cases())
+    return compile_all(cases, no_bf16_fma)
 
 
 if __name__ == "__main__":

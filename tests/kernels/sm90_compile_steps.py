@@ -68,16 +68,10 @@ def _cases() -> list[tuple[str, object, dict[str, str], dict[str, object], int]]
 
 
 def main() -> int:
-    from tests.kernels.sm90_compile import sm90_compiler
+    from tests.kernels.sm90_compile import compile_all
 
-    compile_sm90 = sm90_compiler()
-    if isinstance(compile_sm90, str):
-        print(compile_sm90)
-        return 0
-    for name, kernel, types, constexprs, num_warps in _cases():
-        compile_sm90(kernel, types, constexprs, {"num_warps": num_warps})
-        print(f"{name}: ok", flush=True)
-    return 0
+    return compile_all((name, kernel, types, constexprs, {"num_warps": warps})
+                       for name, kernel, types, constexprs, warps in _cases())
 
 
 if __name__ == "__main__":
