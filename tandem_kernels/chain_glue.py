@@ -22,6 +22,12 @@ from tandem_kernels._common import check, next_pow2
 
 
 @triton.jit
+def _put(dst, pad, offs, value, live, mask):
+    """A packed input field: the step's value for a live row, the padding row's value otherwise."""
+    tl.store(dst + offs, tl.where(live, value, tl.load(pad + offs, mask=mask, other=0)), mask=mask)
+
+
+@triton.jit
 def _to_verify_kernel(
     state_ptr, in_ptr, pad_ptr, stride_state, stride_in, stride_pad, table_col, max_blocks, block_size, W,
     BLOCK: tl.constexpr,
@@ -54,18 +60,11 @@ def _to_verify_kernel(
     slot = blk * block_size + region % block_size
     dst = in_ptr + row * stride_in
     pad = pad_ptr + row * stride_pad
-    for c in tl.static_range(4):
-        if c == 0:
-            value = ids
-        elif c == 1:
-            value = start + depth
-        elif c == 2:
-            value = slot
-        else:
-            value = region_parent
-        value = tl.where(live, value, tl.load(pad + c * W + j, mask=inside, other=0))
-        tl.store(dst + c * W + j, value, mask=inside)
-    tl.store(dst + 4 * W, tl.where(live, start, tl.load(pad + 4 * W)))
+    _put(dst, pad, j, ids, live, inside)
+    _put(dst, pad, W + j, start + depth, live, inside)
+    _put(dst, pad, 2 * W + j, slot, live, inside)
+    _put(dst, pad, 3 * W + j, region_parent, live, inside)
+    _put(dst, pad, 4 * W, start, live, True)
 
 
 def to_verify(state: torch.Tensor, inputs: torch.Tensor, pad: torch.Tensor, b: int, width: int, table_col: int,
@@ -116,17 +115,11 @@ def _to_draft_kernel(
     slot = blk * block_size + at % block_size
     dst = in_ptr + row * stride_in
     pad = pad_ptr + row * stride_pad
-    for c in tl.static_range(3):
-        if c == 0:
-            value = ids
-        elif c == 1:
-            value = tl.where(valid, at, 0)
-        else:
-            value = tl.where(valid, slot, -1)
-        value = tl.where(live, value, tl.load(pad + c * Q + r, mask=in_q, other=0))
-        tl.store(dst + c * Q + r, value, mask=in_q)
-    tl.store(dst + 3 * Q, tl.where(live, dstart, tl.load(pad + 3 * Q)))
-    tl.store(dst + 3 * Q + 1, tl.where(live, dstart + count, tl.load(pad + 3 * Q + 1)))
+    _put(dst, pad, r, ids, live, in_q)
+    _put(dst, pad, Q + r, tl.where(valid, at, 0), live, in_q)
+    _put(dst, pad, 2 * Q + r, tl.where(valid, slot, -1), live, in_q)
+    _put(dst, pad, 3 * Q, dstart, live, True)
+    _put(dst, pad, 3 * Q + 1, dstart + count, live, True)
     # the state advanced past the step: the last emitted token is the next root
     last = tl.load(head + tl.maximum(count - 1, 0))
     grow = tl.where(live, count, 0)
