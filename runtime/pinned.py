@@ -3,10 +3,10 @@ memory kept for the process, instead of a `pin_memory()` per copy: pinning alloc
 (~0.04-0.3 ms of host time per call on the H100 hosts, session 16's profiles: 12 calls per 4-token plain decoding
 call), while a pageable source would make the copy wait for the GPU.
 
-`stage(src)` copies `src` into the next free piece of a pinned arena (one per device) and returns that view, to be
-copied to the device with `non_blocking=True` on the current stream before anything else stages (the caller issues
-the copy right away, under the arena's lock). When the arena wraps around, the copies already issued from it are
-waited for (an event per stream that copied), so a piece is never rewritten while a DMA may still read it."""
+`copy_to(dst, src)` / `to_device(src, device)` copy `src` into the next free piece of a pinned arena (one per
+device) and from there to the device with `non_blocking=True` on the current stream, under the arena's lock. When
+the arena wraps around, the copies already issued from it are waited for (an event per stream that copied), so a
+piece is never rewritten while a DMA may still read it. Off CUDA both are plain copies."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import pinned
 from runtime.models.llama import _k, graph_capture_mode, use_step_kernels
 from runtime.speculative.draft_step import StaticDraftStep
 from runtime.speculative.verify_step import StaticVerifyStep, ancestor_mask
@@ -82,8 +83,6 @@ class FusedSteps:
         # Per sequence: [root, target start, draft start, live, tree tokens (M), tree parents (M)], one host copy.
         self.state = torch.zeros(self.max_bs, 4 + 2 * m, dtype=torch.int64, device=dev)
         self.step_index = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._state_host: torch.Tensor | None = None  # pinned host rows of `state` (CUDA), see _host_state
-        self._state_staged: torch.cuda.Event | None = None
         # The padding rows of both steps' packed inputs (what their _pad_host writes), for the rows not running.
         self.verify_pad = verify.new_host_rows(self.max_bs)[:, :verify.table_col].clone().to(dev)
         self.draft_pad = draft.new_host_rows(self.max_bs)[:, :draft.table_col].clone().to(dev)
@@ -225,7 +224,7 @@ class FusedSteps:
         vhost = v.new_host_rows(b, max(len(s.target_table) for s in seqs))
         dhost = d.new_host_rows(b, max(len(s.draft_table) for s in seqs))
         vrows, drows = vhost.numpy(), dhost.numpy()
-        state = self._host_state(b)
+        state = torch.zeros(b, 4 + 2 * m, dtype=torch.int64)
         srows = state.numpy()
         for i, s in enumerate(seqs):
             v.put_table(vrows[i], s.target_table)
@@ -238,29 +237,11 @@ class FusedSteps:
                 self.tree_source.load(b, tree_rows)
             return self._run(seqs, num_steps, b, vhost, dhost, state)
 
-    def _host_state(self, b: int) -> torch.Tensor:
-        """Zeroed host rows of the chained state for bucket b: on CUDA in a pinned buffer kept across runs (a
-        pin_memory() per run cost ~0.27 ms of the target's host time per Verify call, session 16's profile)."""
-        cols = self.state.shape[1]
-        if self.state.device.type != "cuda":
-            return torch.zeros(b, cols, dtype=torch.int64)
-        if self._state_host is None:
-            with torch.inference_mode(False):  # a normal tensor: runs happen in and out of inference mode
-                self._state_host = torch.empty(self.max_bs * cols, dtype=torch.int64, pin_memory=True)
-            self._state_staged = torch.cuda.Event()
-        else:
-            self._state_staged.synchronize()  # the last run's copy out of the buffer is done (it normally is)
-        host = self._state_host[:b * cols].view(b, cols)
-        host.zero_()
-        return host
-
     def _run(self, seqs, num_steps, b, vhost, dhost, state) -> list[ChainResult]:
         v, d, m, num = self.verify, self.draft, self.width - 1, len(seqs)
         v.load(vhost)
         d.load(dhost)
-        self.state[:b].copy_(state, non_blocking=state.is_pinned())
-        if self._state_staged is not None:
-            self._state_staged.record()
+        pinned.copy_to(self.state[:b], state)  # asynchronous through the pinned arena on CUDA
         self.step_index.zero_()
         if d.feature_head:  # the catch-up rows of a pre-draft are never chained
             d.own_mask.zero_()
