@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session18/NOTES.md): `fewer_kernels`
 # in one call (the step kernels' GPU tests and their A/B on the demo user path; `fewer_kernels_ab` on little device
 # time), then `profile_eagle3 services_bs8` (kernels per chained step on the GPU, a drafting request's start, the
@@ -307,6 +307,20 @@ for s in $STAGES; do
         NEXTN-chain --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_dflash.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
+    spec8b_bs1)  # #11's 8B SYNTHETIC targets at batch 1 only: in-process (the reference), then through the services
+      # (draft co-located, chained steps: the defaults), the same prompts (so the same tau) in both
+      timeout 130 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --static-verify on --out-dir "$R/spec8b_inproc" > "$R/spec8b_inproc.log" 2>&1
+      cat "$R/spec8b_inproc/results.md" 2>/dev/null || tail -5 "$R/spec8b_inproc.log"
+      timeout 170 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 \
+        --configs 5/1/6@3.5 6/4/16@5 8/8/60@6 --max-new-tokens 128 --colocate --out-dir "$R/spec8b_services" \
+        > "$R/spec8b_services.log" 2>&1
+      cat "$R/spec8b_services/results.md" 2>/dev/null || tail -5 "$R/spec8b_services.log"
+      grep -h "chained speculative steps\|are not chained" "$R/spec8b_services"/*target*.log 2>/dev/null | head -3 ;;
+    user_auto)  # the user path's no-step-flag configs next to plain decoding (fewer_kernels measured the rest)
+      timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
+        --out "$R/accept_user_auto.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_user_auto.log" 2>&1
+      grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_user_auto.log" | tail -8 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
       timeout 300 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \
