@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: ar8b_profile user_path user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session18/NOTES.md): `fewer_kernels`
 # in one call (the step kernels' GPU tests and their A/B on the demo user path; `fewer_kernels_ab` on little device
 # time), then `profile_eagle3 services_bs8` (kernels per chained step on the GPU, a drafting request's start, the
@@ -317,12 +317,19 @@ for s in $STAGES; do
         > "$R/spec8b_services.log" 2>&1
       cat "$R/spec8b_services/results.md" 2>/dev/null || tail -5 "$R/spec8b_services.log"
       grep -h "chained speculative steps\|are not chained" "$R/spec8b_services"/*target*.log 2>/dev/null | head -3 ;;
+    ar8b_profile)  # #11's AR floor (>= 210 tok/s at 8B bs 1 through the services): plain decoding through tandem serve
+      # with the defaults, timed, then one request profiled in every process (GPU busy vs idle per Verify call)
+      timeout 200 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --profile-dir "$R/ar8b_prof" \
+        --profile-tokens 64 --out-dir "$R/ar8b" -- --cuda-graph-max-bs 4 > "$R/ar8b.log" 2>&1
+      cat "$R/ar8b/results.md" 2>/dev/null || tail -5 "$R/ar8b.log"
+      head -6 "$R"/ar8b_prof/target-*.summary.txt "$R"/ar8b_prof/gateway-*.summary.txt 2>/dev/null
+      find "$R/ar8b_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
     user_auto)  # the user path's no-step-flag configs next to plain decoding (fewer_kernels measured the rest)
       timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         --out "$R/accept_user_auto.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_user_auto.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_user_auto.log" | tail -8 ;;
     user_path)  # #11's user path with the defaults: every method with no step flags next to plain decoding, batch 1
-      timeout 300 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
+      timeout 360 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         EAGLE3-tree STANDALONE-chain --out "$R/accept_user_path.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_user_path.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_user_path.log" | tail -14 ;;

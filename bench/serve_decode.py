@@ -4,6 +4,10 @@ between them) on dummy weights, driven by gRPC `Generate` — the number to comp
 
     python bench/serve_decode.py --out-dir bench/results/serve_decode            # Llama-3.1-8B shapes on CUDA
     python bench/serve_decode.py --tiny --device cpu --max-new-tokens 32         # smoke run here
+
+--profile-dir DIR: after the timed runs, one more batch-1 request of --profile-tokens tokens under /start_profile and
+/stop_profile: every process writes its torch trace, Python profile and summary (GPU busy vs idle per Verify call)
+into DIR; the timed numbers are unprofiled.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
+from bench.accept import profile_prompt  # noqa: E402
 from tandem.args import REPO_ROOT  # noqa: E402
 
 LLAMA_8B = {
@@ -102,14 +107,17 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out-dir", default="bench/results/serve_decode")
+    p.add_argument("--profile-dir", default=None, help="profile one more batch-1 request into DIR (see above)")
+    p.add_argument("--profile-tokens", type=int, default=64)
     p.add_argument("extra", nargs="*", help="extra tandem serve flags (after --)")
     args = p.parse_args()
+    profile = ["--profile-dir", str(Path(args.profile_dir).resolve())] if args.profile_dir else []
     path = model_dir(args.tiny)
     http, grpc_port = free_port(), free_port()
     dtype = "float32" if args.tiny else "bfloat16"
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model-path", str(path), "--load-format", "dummy",
            "--device", args.device, "--dtype", dtype, "--port", str(http), "--grpc-port", str(grpc_port),
-           "--log-level", "warning", *args.extra]
+           "--log-level", "warning", *profile, *args.extra]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     results = {"config": "tiny" if args.tiny else "llama-3.1-8b-shape", "device": args.device, "runs": []}
     try:
@@ -136,6 +144,9 @@ def main() -> None:
                                     "decode_tok_s_total": bs / per_token_s, "ms_per_step": per_token_s * 1e3,
                                     "tokens": sum(o[0] for o in outs), "wall_s": elapsed,
                                     "kernels_compiled": triton_cache_entries() - kernels, **timed})
+        if args.profile_dir:
+            prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+            results["profile"] = profile_prompt(http, lambda: generate(stub, prompt, args.profile_tokens))
         channel.close()
     finally:
         proc.send_signal(signal.SIGINT)

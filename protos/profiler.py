@@ -241,9 +241,50 @@ class ProcessProfiler:
             if cuda:  # the device's busy time beside the host's: what a step costs the GPU
                 gpu_us = sum(getattr(e, device_key, 0) for e in events)
                 lines.insert(3, f"GPU kernels: {gpu_us / 1e3 / per:.3f} ms per step (self time of every kernel)")
+                timeline = gpu_timeline(_device_intervals(self._torch), per)
+                if timeline:
+                    lines.insert(4, timeline)
             lines.append(f"## torch ops{' and CUDA kernels' if cuda else ''} by {key} (whole profile)")
             lines.append(events.table(sort_by=key, row_limit=30) if len(events) else "(none)")
         return "\n".join(lines) + "\n"
+
+
+def _device_intervals(torch_profile) -> list[tuple[float, float]]:
+    """(start, end) in µs of every device event (kernels, copies, memsets) of a stopped torch profile."""
+    events = getattr(torch_profile, "events", None)
+    if events is None:
+        return []
+    out = []
+    for e in events() or ():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and getattr(e, "time_range", None) is not None:
+            out.append((float(e.time_range.start), float(e.time_range.end)))
+    return out
+
+
+def gpu_timeline(intervals: list[tuple[float, float]], steps: int, gap_us: float = 20.0) -> str | None:
+    """One summary line on whether the device waited for the host: the union of the device's busy intervals (µs)
+    against the span from its first event to its last, and the idle gaps longer than gap_us between them (a GPU-bound
+    step has few; a host-bound one shows its host time here). None without device events."""
+    if not intervals:
+        return None
+    intervals = sorted(intervals)
+    busy, gaps = 0.0, []
+    cur_start, cur_end = intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            if start - cur_end > gap_us:
+                gaps.append(start - cur_end)
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = cur_end - intervals[0][0]  # the merged runs are disjoint and ordered: the last one ends last
+    longest = max(gaps, default=0.0)
+    per = max(steps, 1)
+    return (f"GPU timeline: busy {busy / 1e3 / per:.3f} ms of a {span / 1e3 / per:.3f} ms span per step "
+            f"({100 * busy / max(span, 1e-9):.0f}%); idle gaps over {gap_us:.0f} µs: {len(gaps) / per:.1f} per step, "
+            f"{sum(gaps) / 1e3 / per:.3f} ms per step, the longest {longest / 1e3:.3f} ms")
 
 
 # Functions that only wait (their own time is idle time) and the event loop's drivers (their cumulative time is

@@ -138,3 +138,14 @@ def test_output_dir_stays_inside_the_profile_dir(tmp_path):
         with pytest.raises(ValueError, match="outside this server's profile directory"):
             prof.start(ProfileOptions(output_dir=outside))
     assert not prof.active
+
+
+def test_the_gpu_timeline_names_the_device_idle_gaps():
+    """Busy time is the union of overlapping device events; only gaps over the threshold count, per step."""
+    from protos.profiler import gpu_timeline
+
+    assert gpu_timeline([], 1) is None
+    # two steps: busy 0-100 (two overlapping kernels), 105-200, gap 300 µs, 500-600 -> busy 295 of a 600 µs span
+    line = gpu_timeline([(0, 60), (40, 100), (105, 200), (500, 600)], 2)
+    assert "busy 0.147 ms of a 0.300 ms span per step (49%)" in line, line
+    assert "0.5 per step, 0.150 ms per step, the longest 0.300 ms" in line, line
