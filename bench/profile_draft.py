@@ -134,8 +134,8 @@ def main() -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--prompts", type=int, default=3, help="held-out prompts, one after another at batch 1")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--methods", nargs="*", default=["EAGLE3 tree 5/4/16", "EAGLE3 chain 3/1/4", "EAGLE tree 5/4/16",
-                                                    "STANDALONE chain 3/1/4"])
+    p.add_argument("--methods", nargs="*", default=["EAGLE3 tree 5/4/16", "EAGLE3 chain 3/1/4", "STANDALONE chain 3/1/4"],
+                   help="EAGLE ones need an EAGLE head folder next to the model (<model>-eagle; none is bundled)")
     p.add_argument("--graphs", nargs="*", default=None, choices=["all", "compiled", "target"],
                    help="CUDA graph modes to compare (default: all and target on CUDA); compiled: all, the drafts' "
                         "batch-1 graphs and static steps torch.compile'd (--enable-torch-compile)")
@@ -153,8 +153,9 @@ def main() -> None:
     graph_modes = args.graphs or (["all", "target"] if args.device.startswith("cuda") else ["none"])
     rows = []
     for mode in graph_modes:
-        bench = EngineBench(str(m), f"{m}-draft", f"{m}-eagle3", args.device, eagle_path=f"{m}-eagle",
-                            cuda_graphs=mode)
+        eagle = Path(f"{m}-eagle")
+        bench = EngineBench(str(m), f"{m}-draft", f"{m}-eagle3", args.device,
+                            eagle_path=str(eagle) if eagle.is_dir() else None, cuda_graphs=mode)
         for name in args.methods:
             row = run_config(bench, Method(name, *specs[name]), prompts, args.new_tokens)
             row["draft_graphs"] = {"all": "yes", "compiled": "compiled"}.get(mode, "no")
