@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: ar8b_profile user_path user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: ar8b_profile user_path profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session18/NOTES.md): `fewer_kernels`
 # in one call (the step kernels' GPU tests and their A/B on the demo user path; `fewer_kernels_ab` on little device
 # time), then `profile_eagle3 services_bs8` (kernels per chained step on the GPU, a drafting request's start, the
@@ -52,6 +52,10 @@ for s in $STAGES; do
       timeout 240 python3 bench/profile_draft.py --device cuda --graphs all compiled target --out-dir "$R/profile_draft" \
         > "$R/profile_draft.log" 2>&1
       cat "$R/profile_draft/profile_draft.md" 2>/dev/null || tail -20 "$R/profile_draft.log" ;;
+    profile_draft_all)  # #11's draft host-time target (host ms per Propose <= GPU ms + 0.3) with the draft graphs on only
+      timeout 130 python3 bench/profile_draft.py --device cuda --graphs all --methods "EAGLE3 tree 5/4/16" \
+        "STANDALONE chain 3/1/4" --out-dir "$R/profile_draft_all" > "$R/profile_draft_all.log" 2>&1
+      cat "$R/profile_draft_all/profile_draft.md" 2>/dev/null || tail -20 "$R/profile_draft_all.log" ;;
     decode)  # 8B in-process: graphs/eager vs HF vs ceiling, verify-16 ratio (eager should be back near 22 ms)
       timeout 150 python3 bench/decode.py --steps 32 --out-dir "$R/decode" > "$R/decode.log" 2>&1
       cat "$R/decode/results.md" ;;
