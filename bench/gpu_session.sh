@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: ar8b_profile user_path profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: prefetch_ab ar8b_profile user_path profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session18/NOTES.md): `fewer_kernels`
 # in one call (the step kernels' GPU tests and their A/B on the demo user path; `fewer_kernels_ab` on little device
 # time), then `profile_eagle3 services_bs8` (kernels per chained step on the GPU, a drafting request's start, the
@@ -328,6 +328,22 @@ for s in $STAGES; do
       cat "$R/ar8b/results.md" 2>/dev/null || tail -5 "$R/ar8b.log"
       head -6 "$R"/ar8b_prof/target-*.summary.txt "$R"/ar8b_prof/gateway-*.summary.txt 2>/dev/null
       find "$R/ar8b_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
+    prefetch_ab)  # the A/B that decides TANDEM_DECODE_PREFETCH (tandem/args.py decode_prefetch): 8B plain decoding
+      # through tandem serve at batch 1 and 8 without and with the next call's steps enqueued before the readback,
+      # the second profiled (the GPU timeline's idle gaps between calls should close), then the demo path's AR
+      for c in 0 1; do
+        prof=""; [ $c = 1 ] && prof="--profile-dir $R/prefetch_prof --profile-tokens 64"
+        TANDEM_DECODE_PREFETCH=$c timeout 150 python3 bench/serve_decode.py --batch-sizes 1 8 1 --max-new-tokens 256 \
+          $prof --out-dir "$R/prefetch_$c" -- --cuda-graph-max-bs 8 > "$R/prefetch_$c.log" 2>&1
+        echo "-- TANDEM_DECODE_PREFETCH=$c"; cat "$R/prefetch_$c/results.md" 2>/dev/null || tail -5 "$R/prefetch_$c.log"
+      done
+      head -5 "$R"/prefetch_prof/target-*.summary.txt 2>/dev/null
+      find "$R/prefetch_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null
+      for c in 0 1; do
+        TANDEM_DECODE_PREFETCH=$c timeout 70 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR \
+          --out "$R/accept_prefetch_$c.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_prefetch_$c.log" 2>&1
+        echo "-- demo AR, TANDEM_DECODE_PREFETCH=$c"; grep -E "^\| AR" "$R/accept_prefetch_$c.log" | tail -1
+      done ;;
     user_auto)  # the user path's no-step-flag configs next to plain decoding (fewer_kernels measured the rest)
       timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
         --out "$R/accept_user_auto.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_user_auto.log" 2>&1
@@ -459,5 +475,7 @@ for s in $STAGES; do
   fin
 done
 stage done
-[ -n "${WATCHDOG:-}" ] && kill "$WATCHDOG" 2>/dev/null
+# The watchdog's sleep, not only its subshell: a sleep left running holds the call's stdout open, and the device
+# tool then waits (and counts device time) until it ends (session 20: 270 s lost after a 295-s run).
+[ -n "${WATCHDOG:-}" ] && { pkill -TERM -P "$WATCHDOG" 2>/dev/null; kill "$WATCHDOG" 2>/dev/null; }
 exit 0

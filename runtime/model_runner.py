@@ -51,6 +51,16 @@ class ForwardOutput:
     greedy_tree: list[tuple[list[int], list[int]] | None] | None = None
 
 
+@dataclass
+class _Prefetch:
+    """Decode steps a pipelined run enqueued past its readback (ModelRunner.greedy_decode_steps)."""
+
+    seq_ids: tuple[str, ...]
+    kv_lens: tuple[int, ...]  # where each sequence's KV stood when they started (their KV lies past it)
+    tokens: list[torch.Tensor]  # per step, the (B,) greedy tokens, on the device
+    fed: list[int] | None = None  # the tokens the first step was fed (the run's last ones), once read back
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -92,6 +102,8 @@ class ModelRunner:
         )
         self._mirror: StepMirror | None = None  # set last: warm-up forwards run on every rank by itself
         self._seqs: dict[str, SeqState] = {}
+        self._prefetch: _Prefetch | None = None  # decode steps greedy_decode_steps ran past its readback
+        self._readback_host: torch.Tensor | None = None  # pinned (CUDA): the tokens of a pipelined run
         self.graph_runner: CudaGraphRunner | None = None
         self.use_cuda_graph = False  # replay captured graphs for fitting batches (benchmarks may switch it off)
         # Measured by profiling when engine_config.mem_fraction_static sizes the KV pool; None otherwise.
@@ -221,6 +233,7 @@ class ModelRunner:
         """A new, empty sequence. With the prefix cache on, `prefix_tokens` (tokens the caller would write first)
         are looked up: the sequence starts with the KV of their longest cached prefix in place; returns its length
         (a multiple of the block size; 0 without a hit), the KV index the caller's first forward starts at."""
+        self._prefetch = None
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id!r} already exists")
         cached = self.block_manager.allocate_seq(seq_id, 0, prefix_tokens)
@@ -247,6 +260,7 @@ class ModelRunner:
         return self._state(seq_id).region_start
 
     def free_seq(self, seq_id: str) -> None:
+        self._prefetch = None
         self._state(seq_id)
         del self._seqs[seq_id]
         self.block_manager.free_seq(seq_id)
@@ -263,6 +277,7 @@ class ModelRunner:
     # ---- KV rollback -----------------------------------------------------------------------------------------------
     def truncate(self, seq_id: str, kv_len: int) -> None:
         """Roll the sequence's KV back to [0, kv_len); closes any open tree region."""
+        self._prefetch = None
         state = self._state(seq_id)
         if not 0 <= kv_len <= state.kv_len:
             raise ValueError(f"truncate seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}]")
@@ -276,6 +291,7 @@ class ModelRunner:
         """Move the sequence's KV length back to kv_len keeping its blocks (truncate frees them): the next append
         rewrites [kv_len, ..) of the layers it runs and the other layers' KV there stays (the MTP layers of a
         multi-layer draft write the same positions one after another)."""
+        self._prefetch = None
         state = self._state(seq_id)
         if not 0 <= kv_len <= state.kv_len or state.region_start is not None or self._mirror is not None:
             raise ValueError(f"rewind seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}], no tree region, "
@@ -284,6 +300,7 @@ class ModelRunner:
 
     def compact(self, seq_id: str, region_nodes: list[int]) -> None:
         """Keep only these region nodes, moved in this order to KV indices region_start..; closes the region."""
+        self._prefetch = None
         state = self._state(seq_id)
         if state.region_start is None:
             raise ValueError(f"compact seq {seq_id!r}: no tree region is open")
@@ -308,6 +325,7 @@ class ModelRunner:
     def reserve(self, totals: dict[str, int]) -> None:
         """Grow each sequence's block table to hold `totals[seq_id]` KV indices, all or nothing (OutOfKVBlocks before
         any change); kv_len is unchanged until `written`."""
+        self._prefetch = None
         for seq_id, total in totals.items():
             if self._state(seq_id).region_start is not None:
                 raise ValueError(f"seq {seq_id!r}: a tree region is open")
@@ -321,6 +339,7 @@ class ModelRunner:
     def written(self, seq_id: str, kv_len: int) -> None:
         """A static step wrote this sequence's KV [kv_len(), kv_len) (and scratch nodes past it, now dropped): kv_len
         becomes its length and the blocks past it are freed."""
+        self._prefetch = None
         state = self._state(seq_id)
         if kv_len < state.kv_len or kv_len > self.block_manager.capacity(seq_id):
             raise ValueError(f"seq {seq_id!r}: written up to {kv_len}, KV holds {state.kv_len}, reserved "
@@ -346,6 +365,7 @@ class ModelRunner:
         readback: no logits copied out), or "both"."""
         if outputs not in OUTPUTS:
             raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
+        self._prefetch = None
         self._validate(batch)
         kv_lens = {sf.seq_id: self._seqs[sf.seq_id].kv_len for sf in batch}
         self._reserve_kv(batch)
@@ -470,35 +490,108 @@ class ModelRunner:
         return all(self.has_seq(s) and self.region_start(s) is None for s in seq_ids)
 
     @torch.inference_mode()
-    def greedy_decode_steps(self, seq_ids: list[str], first_tokens: list[int], num_steps: int) -> list[list[int]]:
+    def greedy_decode_steps(self, seq_ids: list[str], first_tokens: list[int], num_steps: int,
+                            prefetch: int = 0) -> list[list[int]]:
         """Per sequence, the greedy tokens of up to num_steps decode steps: step 0 feeds first_tokens, step j the
         token step j-1 produced. Each sequence's KV gains one token per step run. Returns fewer steps (possibly none)
         when a step cannot replay a graph (e.g. a block table outgrew the captured width): the caller continues
-        another way."""
-        if len(seq_ids) != len(first_tokens) or num_steps < 1:
-            raise ValueError("one first token per sequence and num_steps >= 1")
+        another way.
+
+        prefetch: after enqueuing the run, enqueue up to this many more steps (their KV written past each sequence's
+        kv_len, which stays where the run left it) and only then wait for the run's tokens, so the device keeps
+        decoding while the host answers this call and takes the next. The next call takes them as its first steps
+        when it continues exactly there (the same sequences in the same order, first_tokens = this run's last
+        tokens, nothing else run on this runner since, at most num_steps of them); anything else drops them (their
+        KV lies past kv_len: never read, rewritten by the next append)."""
+        if len(seq_ids) != len(first_tokens) or num_steps < 1 or prefetch < 0:
+            raise ValueError("one first token per sequence, num_steps >= 1 and prefetch >= 0")
         b = len(seq_ids)
-        produced: list[torch.Tensor] = []
-        prev: torch.Tensor | None = None
-        for step in range(num_steps):
-            # Placeholder ids after the first step: the device copy below overwrites them before the replay.
-            batch = [SeqForward(s, [t if step == 0 else 0]) for s, t in zip(seq_ids, first_tokens)]
-            self._validate(batch)
-            self._reserve_kv(batch)
-            fb, _, key = self._build_forward_batch(batch, ForwardMode.DECODE, allow_graph=True)
-            if key is None:
-                break  # KV capacity reserved above stays with the sequences; nothing ran for this step
-            gr = self.graph_runner
-            if prev is not None:
-                gr.inputs[0, :b].copy_(prev, non_blocking=True)  # stream-ordered after load_inputs' host copy
-            outputs = gr.replay(key, fb)
-            prev = outputs.argmax[:b].clone()  # the next replay overwrites the static output
+        produced = self._take_prefetch(seq_ids, first_tokens, num_steps)
+        prev = produced[-1] if produced else None
+        for step in range(len(produced), num_steps):
+            prev = self._decode_step(seq_ids, first_tokens if prev is None else None, prev)
+            if prev is None:
+                break
             produced.append(prev)
-            for s in seq_ids:
-                self._seqs[s].kv_len += 1
         if not produced:
             return [[] for _ in seq_ids]
-        return torch.stack(produced, dim=1).tolist()  # the one readback: (B, steps run)
+        tokens = torch.stack(produced, dim=1)  # (B, steps run)
+        if not prefetch or len(produced) < num_steps:
+            return tokens.tolist()  # the one readback
+        if self.device.type == "cuda":
+            host = self._readback_buffer(tokens.shape)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            self._prefetch_steps(seq_ids, prev, prefetch)
+            ready.synchronize()  # this run's tokens only: the prefetched steps go on running
+            out = host.tolist()
+        else:  # (no stream to run ahead on: the same steps, one after the other)
+            out = tokens.tolist()
+            self._prefetch_steps(seq_ids, prev, prefetch)
+        if self._prefetch is not None:
+            self._prefetch.fed = [row[-1] for row in out]
+        return out
+
+    def _decode_step(self, seq_ids: list[str], tokens: list[int] | None, prev: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """One graph-replayed decode step of every sequence, fed `tokens` (host) or `prev` (the last step's argmax,
+        by a device copy): the (B,) argmax, or None when no graph fits (nothing ran; the KV reserved stays)."""
+        b = len(seq_ids)
+        # Placeholder ids when fed on the device: the copy below overwrites them before the replay.
+        batch = [SeqForward(s, [t]) for s, t in zip(seq_ids, tokens or [0] * b)]
+        self._validate(batch)
+        self._reserve_kv(batch)
+        fb, _, key = self._build_forward_batch(batch, ForwardMode.DECODE, allow_graph=True)
+        if key is None:
+            return None
+        gr = self.graph_runner
+        if prev is not None:
+            gr.inputs[0, :b].copy_(prev, non_blocking=True)  # stream-ordered after load_inputs' host copy
+        outputs = gr.replay(key, fb)
+        for s in seq_ids:
+            self._seqs[s].kv_len += 1
+        return outputs.argmax[:b].clone()  # the next replay overwrites the static output
+
+    def _prefetch_steps(self, seq_ids: list[str], prev: torch.Tensor, steps: int) -> None:
+        """Enqueue up to `steps` decode steps after a run (see greedy_decode_steps) and keep them as the prefetch;
+        kv_len is put back where the run ended. Fewer steps (none) when the free KV or a graph runs short."""
+        bs = self.block_manager.block_size
+        if self.num_free_tokens() < len(seq_ids) * (steps + bs):
+            return
+        kv_lens = [self._seqs[s].kv_len for s in seq_ids]
+        tokens: list[torch.Tensor] = []
+        try:
+            for _ in range(steps):
+                prev = self._decode_step(seq_ids, None, prev)
+                if prev is None:
+                    break
+                tokens.append(prev)
+        finally:
+            for s, kv_len in zip(seq_ids, kv_lens):
+                self._seqs[s].kv_len = kv_len
+        if tokens:
+            self._prefetch = _Prefetch(tuple(seq_ids), tuple(kv_lens), tokens)
+
+    def _take_prefetch(self, seq_ids: list[str], first_tokens: list[int], num_steps: int) -> list[torch.Tensor]:
+        """The prefetched steps' (B,) tokens when this run continues exactly where they started (see
+        greedy_decode_steps), their KV then counted in; else none. The prefetch is used up either way."""
+        found, self._prefetch = self._prefetch, None
+        if (found is None or found.seq_ids != tuple(seq_ids) or found.fed != list(first_tokens)
+                or len(found.tokens) > num_steps
+                or any(not self.has_seq(s) or self._seqs[s].kv_len != n for s, n in zip(seq_ids, found.kv_lens))):
+            return []
+        for s in seq_ids:
+            self._seqs[s].kv_len += len(found.tokens)
+        return list(found.tokens)
+
+    def _readback_buffer(self, shape: torch.Size) -> torch.Tensor:
+        """A pinned host buffer of this shape (int64) for a pipelined run's tokens, kept across runs (each is read
+        before the next run starts)."""
+        n = shape[0] * shape[1]
+        if self._readback_host is None or self._readback_host.numel() < n:
+            self._readback_host = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        return self._readback_host[:n].view(shape)
 
     # Input building (runtime/batch_builder.py) over this runner's sequence states.
     def _validate(self, batch: list[SeqForward]) -> None:

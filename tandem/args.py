@@ -273,6 +273,15 @@ def run_ahead(args: argparse.Namespace) -> bool:
     return on_cuda and single and (not entry.drafts or colocates_draft(args))
 
 
+def decode_prefetch(args: argparse.Namespace) -> bool:
+    """Pipelined plain decode enqueues the next call's steps before its readback (ModelRunner.greedy_decode_steps
+    prefetch): only with run-ahead in effect, and off until measured: TANDEM_DECODE_PREFETCH=1 turns it on. Why: the
+    8B plain decoding profile through `tandem serve` (bench/results/session20, H100) showed the GPU idle 2.2-3.2 ms
+    between 4-step Verify calls (~10% of the wall) while the answer travels; the stage prefetch_ab of
+    bench/gpu_session.sh is the A/B that decides the default."""
+    return os.environ.get("TANDEM_DECODE_PREFETCH", "0") == "1" and run_ahead(args)
+
+
 def model_path(args: argparse.Namespace) -> str:
     return str(args.model_path or DEFAULT_MODEL)
 

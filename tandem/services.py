@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core import algorithms
 from core.algorithms import TargetFeatures
-from tandem.args import colocates_draft, draft_model_path, model_path, run_ahead
+from tandem.args import colocates_draft, decode_prefetch, draft_model_path, model_path, run_ahead
 
 logger = logging.getLogger("tandem")
 
@@ -170,6 +170,7 @@ async def run_target(args: argparse.Namespace) -> None:
     _check_service_auth(args)
     engine = TargetEngine(runner, **_feature_capture(args, runner), accept_thresholds=_accept_thresholds(args))
     _static_verify(engine, args)
+    engine.decode_prefetch = decode_prefetch(args)
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     # UNO: this pod also plays the draft role (registry drafts_on_target): DraftService over the target engine.
     # --colocate-draft: the draft service's proposer, built in this process on this device.

@@ -67,6 +67,10 @@ class TargetEngine:
         self._seqs: dict[str, TargetSeq] = {}
         self._prefix_cache = runner.block_manager.prefix_cache
         self.last_forward_ms = 0.0
+        # Pipelined plain decode runs enqueue the next call's steps before their readback (ModelRunner
+        # .greedy_decode_steps prefetch): set by a target pod that runs ahead (--enable-run-ahead), or by
+        # TANDEM_DECODE_PREFETCH=1/0 (bench/gpu_session.sh stage prefetch_ab measures it)
+        self.decode_prefetch = False
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
             runner.set_graph_capture_layers(self._capture)
         self._static_verify = None  # runtime.speculative.verify_step.StaticVerifyStep, see enable_static_verify
@@ -249,9 +253,13 @@ class TargetEngine:
                     min(self._room(self._seqs[inp.seq_id]) for inp, _ in group))
         if steps < min_steps or len(group) * self._tokens_needed(steps) > self.runner.num_free_tokens():
             return 0.0  # (short of KV: the sequential loop's verifies report it sequence by sequence)
+        # the next call's steps, when every sequence will still have room for them after this run
+        prefetch = steps if self.decode_prefetch and all(
+            self._room(self._seqs[inp.seq_id]) >= 2 * steps for inp, _ in group) else 0
         start = time.perf_counter()
         tokens = self.runner.greedy_decode_steps([inp.seq_id for inp, _ in group],
-                                                 [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps)
+                                                 [self._seqs[inp.seq_id].token_ids[-1] for inp, _ in group], steps,
+                                                 prefetch=prefetch)
         for (inp, out), emitted in zip(group, tokens):
             if not emitted:
                 continue

@@ -92,7 +92,7 @@ def _run(engine: TargetEngine, steps: int, max_new: int, stop_ids=frozenset()):
 def test_engine_continuous_decode_takes_the_pipelined_path_and_matches(llama, monkeypatch):
     calls = []
     real = ModelRunner.greedy_decode_steps
-    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a: calls.append(a[2]) or real(self, *a))
+    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a, **k: calls.append(a[2]) or real(self, *a, **k))
     _, want = _run(_engine(llama, graphs=False), 8, 64)
     _, got = _run(_engine(llama, graphs=True), 8, 64)
     assert calls == [8]  # all 8 steps pipelined, the first one too: one readback per call
@@ -105,7 +105,7 @@ def test_a_batch_that_cannot_pipeline_its_first_step_verifies_it_plainly(llama, 
     steps after it pipeline for the sequences that may, and the output is the eager engine's."""
     calls = []
     real = ModelRunner.greedy_decode_steps
-    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a: calls.append(a[2]) or real(self, *a))
+    monkeypatch.setattr(ModelRunner, "greedy_decode_steps", lambda self, *a, **k: calls.append(a[2]) or real(self, *a, **k))
     outs = {}
     for graphs in (False, True):
         engine = _engine(llama, graphs)
@@ -140,3 +140,105 @@ def test_continuous_decode_short_of_kv_reports_it_instead_of_failing_the_call(ll
                                        num_decode_steps=100)])
     assert out.status == Status.OK and 0 < len(out.token_ids) < 100
     assert len(committed) + len(out.token_ids) <= 64
+
+
+def _reference_tokens(path: str, ids: list[str], steps: int) -> tuple[ModelRunner, list[list[int]]]:
+    ref = _runner(path, graphs=False)
+    last = _prefill(ref)
+    want = [[] for _ in ids]
+    for _ in range(steps):
+        out = ref.forward([SeqForward(s, [t]) for s, t in zip(ids, last)])
+        last = [int(row[-1].argmax()) for row in out.logits]
+        for w, t in zip(want, last):
+            w.append(t)
+    return ref, want
+
+
+def test_prefetched_steps_are_the_next_runs_first_steps(llama):
+    """A run with prefetch enqueues the next run's steps before its readback; the next run that continues there
+    takes them instead of replaying them again, and every token and the KV are those of one forward per step."""
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    ref, want = _reference_tokens(llama, ids, 9)
+    pipe = _runner(llama, graphs=True)
+    last = _prefill(pipe)
+    got = [[] for _ in ids]
+    replays = []
+    for _ in range(3):
+        before = pipe.graph_runner.num_replays()
+        tokens = pipe.greedy_decode_steps(ids, last, 3, prefetch=3)
+        replays.append(pipe.graph_runner.num_replays() - before)
+        assert [pipe.kv_len(s) for s in ids] == [len(p) - 1 + len(g) + 3 for p, g in zip(PROMPTS, got)]
+        for g, t in zip(got, tokens):
+            g.extend(t)
+        last = [t[-1] for t in tokens]
+    assert got == want
+    assert replays == [6, 3, 3]  # the first run: its 3 steps + 3 prefetched; later runs: only the next 3 ahead
+    nxt = [w[-1] for w in want]  # the KV behind kv_len is step-by-step decoding's: the next forward agrees
+    a = ref.forward([SeqForward(s, [t]) for s, t in zip(ids, nxt)])
+    b = pipe.forward([SeqForward(s, [t]) for s, t in zip(ids, nxt)])
+    assert torch.allclose(torch.cat(a.logits), torch.cat(b.logits), atol=1e-4)
+
+
+@pytest.mark.parametrize("between", ["forward", "truncate", "other_tokens", "other_batch", "fewer_steps"])
+def test_prefetched_steps_are_dropped_unless_the_run_continues_exactly_there(llama, between):
+    """Anything but the exact continuation drops the prefetch (its KV lies past kv_len): the result is what the
+    runner computes without one."""
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    pipe, fresh = _runner(llama, graphs=True), _runner(llama, graphs=True)
+    last, _ = _prefill(pipe), _prefill(fresh)
+    first = pipe.greedy_decode_steps(ids, last, 2, prefetch=2)
+    assert fresh.greedy_decode_steps(ids, last, 2) == first
+    nxt, run_ids, steps = [t[-1] for t in first], ids, 2
+    if between == "forward":  # another forward (here: of one of the sequences) between the runs
+        for r in (pipe, fresh):
+            r.forward([SeqForward("s0", [nxt[0]])])
+        nxt[0] = 7
+    elif between == "truncate":
+        for r in (pipe, fresh):
+            r.truncate("s1", r.kv_len("s1") - 1)
+        nxt[1] = first[1][-2]
+    elif between == "other_tokens":  # the caller fed another token than the run's last (a rolled-back commit)
+        nxt[2] = 11
+    elif between == "other_batch":
+        run_ids, nxt = ids[:2], nxt[:2]
+    else:  # fewer steps than were prefetched
+        steps = 1
+    before = pipe.graph_runner.num_replays()
+    assert pipe.greedy_decode_steps(run_ids, nxt, steps) == fresh.greedy_decode_steps(run_ids, nxt, steps)
+    assert pipe.graph_runner.num_replays() - before == steps  # nothing taken from the prefetch
+    assert [pipe.kv_len(s) for s in ids] == [fresh.kv_len(s) for s in ids]
+
+
+def _calls_of_four(path: str, prefetch: bool, stop_ids=frozenset()) -> dict[str, list[int]]:
+    """Verify calls of 4 plain decode steps one after another until every sequence finished (40 tokens each)."""
+    engine = _engine(path, graphs=True)
+    engine.decode_prefetch = prefetch
+    stops = [StopRule(40, stop_token_ids=stop_ids, prompt_len=len(p)) for p in PROMPTS]
+    pre = engine.prefill([PrefillInput(f"s{i}", p, True, GREEDY, stops[i]) for i, p in enumerate(PROMPTS)])
+    committed = {f"s{i}": [*p, *o.token_ids] for i, (p, o) in enumerate(zip(PROMPTS, pre))}
+    emitted = {s: [] for s in committed}
+    live = list(committed)
+    while live:
+        outs = engine.verify([VerifyInput(s, len(committed[s]), committed[s][-1], DraftTree([], []), GREEDY,
+                                          stops[int(s[1:])], num_decode_steps=4) for s in live])
+        for s, o in zip(live, outs):
+            assert o.status == Status.OK
+            committed[s] += o.token_ids
+            emitted[s] += o.token_ids
+        live = [s for s, o in zip(live, outs) if o.finish_reason is None]
+    return emitted
+
+
+def test_engine_with_decode_prefetch_matches_across_calls_with_stops(llama, monkeypatch):
+    """TargetEngine.decode_prefetch (a pod that runs ahead): Verify calls of 4 plain decode steps one after another,
+    one sequence stopping inside a run, give the tokens of the engine without it, and later calls take their steps
+    from the prefetch."""
+    free = _calls_of_four(llama, prefetch=False)
+    stop = frozenset({free["s1"][5]})
+    want = _calls_of_four(llama, prefetch=False, stop_ids=stop)
+    taken = []
+    real = ModelRunner._take_prefetch
+    monkeypatch.setattr(ModelRunner, "_take_prefetch", lambda self, *a: taken.append(len(r := real(self, *a))) or r)
+    got = _calls_of_four(llama, prefetch=True, stop_ids=stop)
+    assert got == want and len(want["s1"]) < 39 and max(len(v) for v in want.values()) == 39
+    assert 4 in taken  # steps came from the prefetch (the batch that lost s1 drops it once)
