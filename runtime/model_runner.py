@@ -60,6 +60,10 @@ class _Prefetch:
     tokens: list[torch.Tensor]  # per step, the (B,) greedy tokens, on the device
     fed: list[int] | None = None  # the tokens the first step was fed (the run's last ones), once read back
 
+    @property
+    def seq_ids_set(self) -> frozenset[str]:
+        return frozenset(self.seq_ids)
+
 
 class ModelRunner:
     def __init__(
@@ -233,7 +237,6 @@ class ModelRunner:
         """A new, empty sequence. With the prefix cache on, `prefix_tokens` (tokens the caller would write first)
         are looked up: the sequence starts with the KV of their longest cached prefix in place; returns its length
         (a multiple of the block size; 0 without a hit), the KV index the caller's first forward starts at."""
-        self._prefetch = None
         if seq_id in self._seqs:
             raise ValueError(f"seq {seq_id!r} already exists")
         cached = self.block_manager.allocate_seq(seq_id, 0, prefix_tokens)
@@ -260,7 +263,7 @@ class ModelRunner:
         return self._state(seq_id).region_start
 
     def free_seq(self, seq_id: str) -> None:
-        self._prefetch = None
+        self._drop_prefetch([seq_id])
         self._state(seq_id)
         del self._seqs[seq_id]
         self.block_manager.free_seq(seq_id)
@@ -277,7 +280,7 @@ class ModelRunner:
     # ---- KV rollback -----------------------------------------------------------------------------------------------
     def truncate(self, seq_id: str, kv_len: int) -> None:
         """Roll the sequence's KV back to [0, kv_len); closes any open tree region."""
-        self._prefetch = None
+        self._drop_prefetch([seq_id])
         state = self._state(seq_id)
         if not 0 <= kv_len <= state.kv_len:
             raise ValueError(f"truncate seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}]")
@@ -291,7 +294,7 @@ class ModelRunner:
         """Move the sequence's KV length back to kv_len keeping its blocks (truncate frees them): the next append
         rewrites [kv_len, ..) of the layers it runs and the other layers' KV there stays (the MTP layers of a
         multi-layer draft write the same positions one after another)."""
-        self._prefetch = None
+        self._drop_prefetch([seq_id])
         state = self._state(seq_id)
         if not 0 <= kv_len <= state.kv_len or state.region_start is not None or self._mirror is not None:
             raise ValueError(f"rewind seq {seq_id!r} to {kv_len}: must be in [0, {state.kv_len}], no tree region, "
@@ -300,7 +303,7 @@ class ModelRunner:
 
     def compact(self, seq_id: str, region_nodes: list[int]) -> None:
         """Keep only these region nodes, moved in this order to KV indices region_start..; closes the region."""
-        self._prefetch = None
+        self._drop_prefetch([seq_id])
         state = self._state(seq_id)
         if state.region_start is None:
             raise ValueError(f"compact seq {seq_id!r}: no tree region is open")
@@ -325,7 +328,7 @@ class ModelRunner:
     def reserve(self, totals: dict[str, int]) -> None:
         """Grow each sequence's block table to hold `totals[seq_id]` KV indices, all or nothing (OutOfKVBlocks before
         any change); kv_len is unchanged until `written`."""
-        self._prefetch = None
+        self._drop_prefetch(totals)
         for seq_id, total in totals.items():
             if self._state(seq_id).region_start is not None:
                 raise ValueError(f"seq {seq_id!r}: a tree region is open")
@@ -339,7 +342,7 @@ class ModelRunner:
     def written(self, seq_id: str, kv_len: int) -> None:
         """A static step wrote this sequence's KV [kv_len(), kv_len) (and scratch nodes past it, now dropped): kv_len
         becomes its length and the blocks past it are freed."""
-        self._prefetch = None
+        self._drop_prefetch([seq_id])
         state = self._state(seq_id)
         if kv_len < state.kv_len or kv_len > self.block_manager.capacity(seq_id):
             raise ValueError(f"seq {seq_id!r}: written up to {kv_len}, KV holds {state.kv_len}, reserved "
@@ -365,7 +368,7 @@ class ModelRunner:
         readback: no logits copied out), or "both"."""
         if outputs not in OUTPUTS:
             raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
-        self._prefetch = None
+        self._drop_prefetch(sf.seq_id for sf in batch)
         self._validate(batch)
         kv_lens = {sf.seq_id: self._seqs[sf.seq_id].kv_len for sf in batch}
         self._reserve_kv(batch)
@@ -584,6 +587,12 @@ class ModelRunner:
         for s in seq_ids:
             self._seqs[s].kv_len += len(found.tokens)
         return list(found.tokens)
+
+    def _drop_prefetch(self, seq_ids) -> None:
+        """Any change to these sequences' state ends a prefetch of theirs (other sequences' forwards and lifecycle
+        leave it valid: they touch neither these sequences' KV nor the prefetched tokens)."""
+        if self._prefetch is not None and not self._prefetch.seq_ids_set.isdisjoint(seq_ids):
+            self._prefetch = None
 
     def _readback_buffer(self, shape: torch.Size) -> torch.Tensor:
         """A pinned host buffer of this shape (int64) for a pipelined run's tokens, kept across runs (each is read

@@ -242,3 +242,21 @@ def test_engine_with_decode_prefetch_matches_across_calls_with_stops(llama, monk
     got = _calls_of_four(llama, prefetch=True, stop_ids=stop)
     assert got == want and len(want["s1"]) < 39 and max(len(v) for v in want.values()) == 39
     assert 4 in taken  # steps came from the prefetch (the batch that lost s1 drops it once)
+
+
+def test_another_sequences_forward_keeps_the_prefetch(llama):
+    """A new request's prefill between two runs touches neither the running sequences' KV nor the prefetched tokens:
+    the next run still takes the prefetched steps, and its tokens are the plain runner's."""
+    ids = ["s0", "s1"]
+    pipe, fresh = _runner(llama, graphs=True), _runner(llama, graphs=True)
+    last = _prefill(pipe)[:2]
+    _prefill(fresh)
+    first = pipe.greedy_decode_steps(ids, last, 2, prefetch=2)
+    assert fresh.greedy_decode_steps(ids, last, 2) == first
+    for r in (pipe, fresh):
+        r.add_seq("new")
+        r.forward([SeqForward("new", [4, 5, 6])])
+    nxt = [t[-1] for t in first]
+    before = pipe.graph_runner.num_replays()
+    assert pipe.greedy_decode_steps(ids, nxt, 2) == fresh.greedy_decode_steps(ids, nxt, 2)
+    assert pipe.graph_runner.num_replays() == before  # both steps came from the prefetch
