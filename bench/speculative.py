@@ -276,7 +276,8 @@ def _row(name: str, config: SpecConfig | None, bs: int, r: dict, tok_s: float, a
             # the rest is the transport and the gateway)
             "wall_per_step_ms": 1e3 * r["wall"] / max(steps, 1),
             "t_verify_rpc_ms": 1e3 * r.get("t_verify_rpc", 0.0) / max(steps, 1),
-            "t_draft_rpc_ms": 1e3 * r.get("t_draft_rpc", 0.0) / max(steps, 1)}
+            "t_draft_rpc_ms": 1e3 * r.get("t_draft_rpc", 0.0) / max(steps, 1),
+            "run_ahead": r.get("run_ahead")}
 
 
 # ---------------------------------------------------------------------------------------------------- output

@@ -31,6 +31,15 @@ from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from tandem.args import REPO_ROOT  # noqa: E402
 
 
+def _run_ahead(port: int) -> dict[str, float]:
+    """The target's run-ahead outcomes so far (tandem:run_ahead_total by outcome: hit / miss, in sequences)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {outcome: float(m.group(1)) if (m := re.search(
+        rf'^tandem:run_ahead_total{{[^}}]*outcome="{outcome}"[^}}]*}} (\S+)$', text, re.M)) else 0.0
+        for outcome in ("hit", "miss")}
+
+
 def _metric(port: int, rpc: str) -> tuple[float, float, float]:
     """(model seconds, count) of tandem:forward_time_seconds and the handler wall seconds
     (tandem:rpc_duration_seconds: decode, convert, leases, model, encode) for one RPC from a service's /metrics (a
@@ -147,7 +156,8 @@ class Stack:
 
     def metrics(self) -> dict:
         drafts_m = self.ports["target_m" if self.colocate else "draft_m"]
-        return {"verify": _metric(self.ports["target_m"], "Verify"), "propose": _metric(drafts_m, "Propose")}
+        return {"verify": _metric(self.ports["target_m"], "Verify"), "propose": _metric(drafts_m, "Propose"),
+                "run_ahead": _run_ahead(self.ports["target_m"])}
 
     def close(self) -> None:
         for c in self.channels.values():
@@ -218,7 +228,8 @@ def bench_services(args, configs) -> list[dict]:
                       f"{row['tok_s']:,.1f} tok/s vs AR {ar_tok_s:,.1f} ({row['speedup']:.2f}x), verify "
                       f"{row['t_verify_ms']:.2f} ms + draft {row['t_draft_ms']:.2f} ms per step, efficiency "
                       f"{row['efficiency']:.3f}; per step: wall {row['wall_per_step_ms']:.2f} ms, handlers verify "
-                      f"{row['t_verify_rpc_ms']:.2f} + propose {row['t_draft_rpc_ms']:.2f} ms", flush=True)
+                      f"{row['t_verify_rpc_ms']:.2f} + propose {row['t_draft_rpc_ms']:.2f} ms; run-ahead (sequences) "
+                      f"AR {ar['run_ahead']}, speculative {sp['run_ahead']}", flush=True)
         finally:
             stack.close()
     rows.sort(key=lambda r: (r["batch_size"], r["config"] != "AR"))
@@ -230,4 +241,7 @@ def _timings(before: dict, after: dict) -> dict:
     dv, dp = after["verify"][0] - before["verify"][0], after["propose"][0] - before["propose"][0]
     steps = int(after["verify"][1] - before["verify"][1])
     return {"t_verify": dv, "t_draft": dp, "steps": steps, "t_verify_rpc": after["verify"][2] - before["verify"][2],
-            "t_draft_rpc": after["propose"][2] - before["propose"][2]}
+            "t_draft_rpc": after["propose"][2] - before["propose"][2],
+            # sequences the target had run ahead (a miss runs its device work for nothing before the call's own,
+            # and t_verify does not count it)
+            "run_ahead": {k: after["run_ahead"][k] - before["run_ahead"][k] for k in ("hit", "miss")}}
