@@ -3,10 +3,10 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: prefetch_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: prefetch_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session20/NOTES.md): `prefetch_ab`
 # (the A/B that decides TANDEM_DECODE_PREFETCH), then `user_path profile_draft_all` (#11's user path and the draft
-# host time on that card), then `spec8b_bs1` (#11's 8B batch-1 targets).
+# host time on that card), then `spec8b_bs1 svc64_ab` (#11's 8B batch-1 targets; the batch-64 services gap).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -328,12 +328,12 @@ for s in $STAGES; do
       head -6 "$R"/ar8b_prof/target-*.summary.txt "$R"/ar8b_prof/gateway-*.summary.txt 2>/dev/null
       find "$R/ar8b_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
     prefetch_ab)  # the A/B that decides TANDEM_DECODE_PREFETCH (tandem/args.py decode_prefetch): 8B plain decoding
-      # through tandem serve at batch 1 and 8 without and with the next call's steps enqueued before the readback,
+      # through tandem serve at batch 1, 8 and 64 without and with the next call's steps enqueued before the readback,
       # the second profiled (the GPU timeline's idle gaps between calls should close), then the demo path's AR
       for c in 0 1; do
         prof=""; [ $c = 1 ] && prof="--profile-dir $R/prefetch_prof --profile-tokens 64"
-        TANDEM_DECODE_PREFETCH=$c timeout 150 python3 bench/serve_decode.py --batch-sizes 1 8 1 --max-new-tokens 256 \
-          $prof --out-dir "$R/prefetch_$c" -- --cuda-graph-max-bs 8 > "$R/prefetch_$c.log" 2>&1
+        TANDEM_DECODE_PREFETCH=$c timeout 170 python3 bench/serve_decode.py --batch-sizes 1 8 64 1 --max-new-tokens 256 \
+          $prof --out-dir "$R/prefetch_$c" -- --cuda-graph-max-bs 64 > "$R/prefetch_$c.log" 2>&1
         echo "-- TANDEM_DECODE_PREFETCH=$c"; cat "$R/prefetch_$c/results.md" 2>/dev/null || tail -5 "$R/prefetch_$c.log"
       done
       head -5 "$R"/prefetch_prof/target-*.summary.txt 2>/dev/null
@@ -342,6 +342,15 @@ for s in $STAGES; do
         TANDEM_DECODE_PREFETCH=$c timeout 70 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR \
           --out "$R/accept_prefetch_$c.json" -- --device cuda --cuda-graph-max-bs 8 > "$R/accept_prefetch_$c.log" 2>&1
         echo "-- demo AR, TANDEM_DECODE_PREFETCH=$c"; grep -E "^\| AR" "$R/accept_prefetch_$c.log" | tail -1
+      done ;;
+    svc64_ab)  # the batch-64 plain decoding gap of the services bench (session 20, H100: 69 ms of wall per 4-step
+      # Verify call against 33 ms of target handler): the run-ahead hits/misses it now reports, prefetch off then on
+      for c in 0 1; do
+        TANDEM_DECODE_PREFETCH=$c timeout 120 python3 bench/speculative.py --mode services --device cuda:0 \
+          --margin-weights --batch-sizes 64 --configs 6/4/16@5 --max-new-tokens 128 --colocate \
+          --out-dir "$R/svc64_$c" > "$R/svc64_$c.log" 2>&1
+        echo "-- TANDEM_DECODE_PREFETCH=$c"; grep -E "run-ahead" "$R/svc64_$c.log" | tail -1
+        cat "$R/svc64_$c/results.md" 2>/dev/null | grep -E "^\| 64" || tail -5 "$R/svc64_$c.log"
       done ;;
     user_auto)  # the user path's no-step-flag configs next to plain decoding (fewer_kernels measured the rest)
       timeout 200 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs AR EAGLE3-auto NGRAM-auto \
