@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import pinned
 from runtime.attention import get_backend
 from runtime.config import EngineConfig, ModelConfig
 from runtime.distributed import StepMirror, TPGroup, TPShard
@@ -60,9 +61,8 @@ class _Prefetch:
     tokens: list[torch.Tensor]  # per step, the (B,) greedy tokens, on the device
     fed: list[int] | None = None  # the tokens the first step was fed (the run's last ones), once read back
 
-    @property
-    def seq_ids_set(self) -> frozenset[str]:
-        return frozenset(self.seq_ids)
+    def __post_init__(self) -> None:
+        self.members = frozenset(self.seq_ids)
 
 
 class ModelRunner:
@@ -107,7 +107,7 @@ class ModelRunner:
         self._mirror: StepMirror | None = None  # set last: warm-up forwards run on every rank by itself
         self._seqs: dict[str, SeqState] = {}
         self._prefetch: _Prefetch | None = None  # decode steps greedy_decode_steps ran past its readback
-        self._readback_host: torch.Tensor | None = None  # pinned (CUDA): the tokens of a pipelined run
+        self._readback = pinned.Readback()  # (CUDA) the tokens of a pipelined run with a prefetch
         self.graph_runner: CudaGraphRunner | None = None
         self.use_cuda_graph = False  # replay captured graphs for fitting batches (benchmarks may switch it off)
         # Measured by profiling when engine_config.mem_fraction_static sizes the KV pool; None otherwise.
@@ -522,8 +522,7 @@ class ModelRunner:
         if not prefetch or len(produced) < num_steps:
             return tokens.tolist()  # the one readback
         if self.device.type == "cuda":
-            host = self._readback_buffer(tokens.shape)
-            host.copy_(tokens, non_blocking=True)
+            host = self._readback.copy(tokens)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             self._prefetch_steps(seq_ids, prev, prefetch)
@@ -591,16 +590,8 @@ class ModelRunner:
     def _drop_prefetch(self, seq_ids) -> None:
         """Any change to these sequences' state ends a prefetch of theirs (other sequences' forwards and lifecycle
         leave it valid: they touch neither these sequences' KV nor the prefetched tokens)."""
-        if self._prefetch is not None and not self._prefetch.seq_ids_set.isdisjoint(seq_ids):
+        if self._prefetch is not None and not self._prefetch.members.isdisjoint(seq_ids):
             self._prefetch = None
-
-    def _readback_buffer(self, shape: torch.Size) -> torch.Tensor:
-        """A pinned host buffer of this shape (int64) for a pipelined run's tokens, kept across runs (each is read
-        before the next run starts)."""
-        n = shape[0] * shape[1]
-        if self._readback_host is None or self._readback_host.numel() < n:
-            self._readback_host = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-        return self._readback_host[:n].view(shape)
 
     # Input building (runtime/batch_builder.py) over this runner's sequence states.
     def _validate(self, batch: list[SeqForward]) -> None:

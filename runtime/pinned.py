@@ -6,7 +6,10 @@ call), while a pageable source would make the copy wait for the GPU.
 `copy_to(dst, src)` / `to_device(src, device)` copy `src` into the next free piece of a pinned arena (one per
 device) and from there to the device with `non_blocking=True` on the current stream, under the arena's lock. When
 the arena wraps around, the copies already issued from it are waited for (an event per stream that copied), so a
-piece is never rewritten while a DMA may still read it. Off CUDA both are plain copies."""
+piece is never rewritten while a DMA may still read it. Off CUDA both are plain copies.
+
+`Readback` is the other direction: a step's device->host copy into pinned memory kept across steps (the caller
+waits for it, by a stream sync or an event, before reading)."""
 
 from __future__ import annotations
 
@@ -64,6 +67,24 @@ class PinnedArena:
         view = self.buffer[self.offset:self.offset + nbytes]
         self.offset += size
         return view
+
+
+class Readback:
+    """A pinned host buffer kept across steps for one device->host copy per step."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def copy(self, out: torch.Tensor) -> torch.Tensor:
+        """Enqueue the copy of `out` (contiguous, on CUDA) on the current stream; returns the host view, readable once
+        the stream passed the copy and valid until the next copy."""
+        nbytes = out.numel() * out.element_size()
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            with torch.inference_mode(False):  # a normal tensor: used in and out of inference mode
+                self._buffer = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+        host = self._buffer[:nbytes].view(out.dtype).view(out.shape)
+        host.copy_(out, non_blocking=True)
+        return host
 
 
 _arenas: dict[torch.device, PinnedArena] = {}

@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from runtime import pinned
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,7 +46,7 @@ class StaticStep:
         # step) and the readback lands in another: both copies are asynchronous DMA.
         self._staging: torch.Tensor | None = None
         self._staged: torch.cuda.Event | None = None  # the last copy out of _staging
-        self._readback: torch.Tensor | None = None
+        self._readback = pinned.Readback()
 
     def run(self, num_seqs: int) -> torch.Tensor:
         raise NotImplementedError
@@ -175,12 +177,7 @@ class StaticStep:
         is valid until this step's next read_back (clone what must outlive it)."""
         if out.device.type != "cuda":
             return out
-        nbytes = out.numel() * out.element_size()
-        if self._readback is None or self._readback.numel() < nbytes:
-            with torch.inference_mode(False):
-                self._readback = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
-        host = self._readback[:nbytes].view(out.dtype).view(out.shape)
-        host.copy_(out, non_blocking=True)
+        host = self._readback.copy(out)
         torch.cuda.current_stream(out.device).synchronize()
         return host
 
