@@ -8,7 +8,9 @@ tree (a short tree is returned instead, so verify can never accept padding).
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+import operator
+from collections import deque
+from itertools import compress
 from dataclasses import dataclass
 
 from core.types import ROOT, DraftTree
@@ -65,22 +67,35 @@ class _Node:
         self.last_used = 0
 
 
+_LAST_USED = operator.attrgetter("last_used")
+
+
 class NgramProposer:
     """One trie shared by all sequences; per sequence only the committed tokens last synced are kept."""
+
+    # The recency log is compacted past 3 entries per node plus this many (bench: a 728-token sequence growing 3
+    # tokens a step, sync 0.081 -> 0.056 ms on a 2-core CPU against a move-to-end OrderedDict).
+    _log_slack = 16384
 
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
         self._root = _Node(-1, None)
-        # Every node except the root, least recently used first. Inserts touch a path deepest-first, so a node is
-        # always at least as recent as all its descendants and the oldest entry is always a leaf.
-        self._lru: OrderedDict[_Node, None] = OrderedDict()
+        # Recency: every touch gives a node the next clock value (last_used), a path deepest-first, so a node is
+        # always at least as recent as all its descendants and the least recently used node is always a leaf. The
+        # touches are logged in clock order (two parallel deques, appended at C speed); an entry whose node was
+        # touched again since (or evicted: last_used -1) is stale and skipped by eviction, and the log is compacted
+        # once stale entries outnumber live nodes. Same order as a move-to-end LRU list, at a fraction of the cost
+        # per touch (an NGRAM step touches every n-gram ending in its new tokens: O(max_trie_depth^2) nodes).
+        self._log_nodes: deque[_Node] = deque()
+        self._log_clocks: deque[int] = deque()
+        self._num_nodes = 0
         self._clock = 0
         self._seqs: dict[str, list[int]] = {}
         self.corpora: dict[str, ExternalCorpus] = {}  # by corpus id
 
     @property
     def num_nodes(self) -> int:
-        return len(self._lru)
+        return self._num_nodes
 
     # -- external corpora ---------------------------------------------------------------------------------------
 
@@ -134,22 +149,34 @@ class NgramProposer:
 
     def _insert(self, path: list[int], first_new_depth: int) -> None:
         """Walk/create the path; nodes at depth >= first_new_depth (1-based) gain one occurrence."""
-        while self.num_nodes + len(path) - self._matched_len(path) > self.config.capacity:
-            self._evict_oldest_leaf()  # may evict the end of this very path, so re-measure after each eviction
+        if self._num_nodes + len(path) > self.config.capacity:  # the walk may create that many nodes
+            while self._num_nodes + len(path) - self._matched_len(path) > self.config.capacity:
+                self._evict_oldest_leaf()  # may evict the end of this very path, so re-measure after each eviction
         node, touched = self._root, []
         for depth, token in enumerate(path, start=1):
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(token, node)
+                self._num_nodes += 1
             if depth >= first_new_depth or child.freq == 0:
                 child.freq += 1
             touched.append(child)
             node = child
-        for child in reversed(touched):  # deepest first keeps ancestors more recent than descendants
-            self._clock += 1
-            child.last_used = self._clock
-            self._lru[child] = None
-            self._lru.move_to_end(child)
+        # deepest first keeps ancestors more recent than descendants: depth d of m gets clock + m - d + 1
+        clock, m = self._clock, len(touched)
+        for d, child in enumerate(touched):
+            child.last_used = clock + m - d
+        self._clock = clock + m
+        touched.reverse()
+        self._log_nodes.extend(touched)
+        self._log_clocks.extend(range(clock + 1, clock + m + 1))
+        if len(self._log_nodes) > 3 * self._num_nodes + self._log_slack:
+            self._compact_log()
+
+    def _compact_log(self) -> None:
+        live = list(map(operator.eq, map(_LAST_USED, self._log_nodes), self._log_clocks))  # all at C speed
+        self._log_clocks = deque(compress(self._log_clocks, live))
+        self._log_nodes = deque(compress(self._log_nodes, live))
 
     def _matched_len(self, path: list[int]) -> int:
         node = self._root
@@ -160,9 +187,14 @@ class NgramProposer:
         return len(path)
 
     def _evict_oldest_leaf(self) -> None:
-        node, _ = self._lru.popitem(last=False)
+        while True:
+            node, clock = self._log_nodes.popleft(), self._log_clocks.popleft()
+            if node.last_used == clock:
+                break
         assert not node.children, "LRU invariant broken: the oldest trie node has children"
         del node.parent.children[node.token]
+        node.last_used = -1  # its older log entries were stale already
+        self._num_nodes -= 1
 
     def _anchors(self, tokens: list[int]) -> list[tuple[_Node, int]]:
         """Trie nodes reached by the last d tokens, d = 1..max_trie_depth-1, longest match first, with children."""

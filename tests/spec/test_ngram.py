@@ -102,6 +102,53 @@ def test_capacity_eviction_keeps_trie_bounded_and_prefers_recent():
     assert len(_trie_dump(ngram._root)) == ngram.num_nodes
 
 
+@pytest.mark.parametrize("slack", [0, 16384])
+def test_eviction_always_takes_the_least_recently_used_node(slack):
+    """Random streams over a small vocabulary against a small pool: every eviction removes the node with the oldest
+    touch of the whole trie (a leaf), with the recency log compacted often (slack 0) or never."""
+    import random
+
+    cfg = NgramConfig(capacity=60, max_trie_depth=5, num_draft_tokens=6)
+    ngram = NgramProposer(cfg)
+    ngram._log_slack = slack
+    evict, evicted = ngram._evict_oldest_leaf, []
+
+    def checked():
+        nodes = _all_nodes(ngram._root)
+        oldest = min(nodes, key=lambda n: n.last_used)
+        evict()
+        assert oldest.token not in oldest.parent.children or oldest.parent.children[oldest.token] is not oldest
+        evicted.append(oldest)
+
+    ngram._evict_oldest_leaf = checked
+    rng = random.Random(3)
+    seqs = {f"s{i}": [] for i in range(4)}
+    for _ in range(300):
+        seq_id = rng.choice(list(seqs))
+        tokens = seqs[seq_id]
+        if tokens and rng.random() < 0.1:
+            del tokens[rng.randrange(len(tokens)):]  # a rollback
+        tokens += [rng.randrange(12) for _ in range(rng.randint(1, 4))]
+        ngram.sync(seq_id, tokens)
+        assert ngram.num_nodes == len(_all_nodes(ngram._root)) <= cfg.capacity
+        _check_tree_links(ngram._root)
+        for node in _all_nodes(ngram._root):
+            assert all(child.last_used < node.last_used for child in node.children.values())
+        ngram.propose(list(seqs))
+    assert len(evicted) > 100
+    if slack == 0:
+        assert len(ngram._log_nodes) <= 3 * ngram.num_nodes
+
+
+def _all_nodes(root) -> list:
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
 def test_release_forgets_the_sequence_but_keeps_the_trie():
     ngram = NgramProposer(NgramConfig(num_draft_tokens=4))
     ngram.sync("a", [1, 2, 3, 1, 2])
