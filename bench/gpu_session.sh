@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: prefetch_ab ngram_profile svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session20/NOTES.md): `prefetch_ab`
 # (the A/B that decides TANDEM_DECODE_PREFETCH), then `user_path profile_draft_all` (#11's user path and the draft
 # host time on that card), then `spec8b_bs1 svc64_ab` (#11's 8B batch-1 targets; the batch-64 services gap).
@@ -351,6 +351,22 @@ for s in $STAGES; do
       grep -E "^  [A-Z].*tok/s|^\| |profile " "$R/accept_ngram.log" | tail -10
       for f in "$R"/ngram_prof/NGRAM*/target-*.summary.txt; do [ -f "$f" ] && sed -n 1,30p "$f"; done
       find "$R/ngram_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
+    overlap_ab)  # #14 on one GPU: the default overlap schedule (tokens streamed while the next call is in flight,
+      # the target's run-ahead) against --disable-overlap-schedule (the sequential loop): demo EAGLE3 5/4/16 through
+      # tandem serve at batch 1, then 8B SYNTHETIC tree 6/4/16 through the services (draft co-located) at batch 1, 32
+      for c in default sequential; do
+        extra=""; [ $c = sequential ] && extra="--disable-overlap-schedule"
+        timeout 100 python3 bench/accept.py --num-prompts 4 --max-new-tokens 128 --configs EAGLE3-tree \
+          --out "$R/accept_overlap_$c.json" -- --device cuda --cuda-graph-max-bs 8 $extra > "$R/accept_overlap_$c.log" 2>&1
+        echo "-- demo EAGLE3 5/4/16, $c"; grep -E "^\| EAGLE3" "$R/accept_overlap_$c.log" | tail -1
+      done
+      for c in default sequential; do
+        extra=""; [ $c = sequential ] && extra="--disable-overlap-schedule"
+        timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 32 \
+          --configs 6/4/16@5 --max-new-tokens 128 --colocate --gateway-args="$extra" --target-args="$extra" \
+          --out-dir "$R/overlap8b_$c" > "$R/overlap8b_$c.log" 2>&1
+        echo "-- 8B services, $c"; grep -E "^\| (1|32) " "$R/overlap8b_$c/results.md" 2>/dev/null || tail -5 "$R/overlap8b_$c.log"
+      done ;;
     svc64_ab)  # the batch-64 plain decoding gap of the services bench (session 20, H100: 69 ms of wall per 4-step
       # Verify call against 33 ms of target handler): the run-ahead hits/misses it now reports, prefetch off then on
       for c in 0 1; do

@@ -89,6 +89,9 @@ class Drafting:
                     seq.features.reset(None)
                 continue
             groups[seq.draft].append(seq)
+        if len(groups) == 1:  # (the usual case) no task hop: the call goes out in the caller's first step, before
+            (pod, group), = groups.items()  # the host work the scheduler overlaps with it (_propose_delivering)
+            return await self._propose_on(pod, group, shape)
         trees: dict[str, DraftTree] = {}
         for part in await asyncio.gather(*(self._propose_on(pod, group, shape) for pod, group in groups.items())):
             trees.update(part)

@@ -53,6 +53,9 @@ class SchedulerConfig:
     # Two micro-batches that ping-pong between the draft and target pods (gateway/overlap.py): "auto" measures and
     # picks per batch size, "on" always splits batches of >= 2, "off" (--disable-overlap-schedule) never does.
     overlap_schedule: str = "auto"
+    # A Verify's tokens are detokenized, stop-matched and streamed while the next call is in flight (#14 item 1);
+    # False (--disable-overlap-schedule: the sequential loop) streams them before the next call goes out.
+    defer_delivery: bool = True
     # Plain decode steps (no draft tree) run back to back inside one Verify call (SGLang's
     # --num-continuous-decode-steps): fewer round trips per token, chunks of up to this many tokens.
     num_continuous_decode_steps: int = 1
@@ -504,7 +507,8 @@ class Scheduler:
             self._deliver(seqs)
             return {}
         task = asyncio.ensure_future(self.drafting.propose(to_propose, *([shape] if shape else [])))
-        await asyncio.sleep(0)  # let the call go out before the host work below
+        await asyncio.sleep(0)  # the task's first step sends the call (several draft pods: their tasks', next)
+        await asyncio.sleep(0)  # before the host work below
         self._deliver(seqs)
         return await task
 
@@ -637,7 +641,7 @@ class Scheduler:
                 self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
                 if result.features is not None and seq.features.end == len(seq.committed) - 1:  # (else a gap: the
                     seq.features.append(result.features)  # rows would land at the wrong positions)
-                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=True)
+                seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=self.config.defer_delivery)
                 if item.propose_next is not None and self.spec.needs_features and result.features is None:
                     # the draft took them on the pod: the gateway's log holds the rows of later steps only
                     seq.features.reset(None, start=len(seq.committed) - 1)

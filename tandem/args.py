@@ -95,7 +95,7 @@ def add_parallel_args(p: argparse.ArgumentParser, *, tp: bool, launcher: bool = 
                             "works on it; a sequence whose next input is exactly that gets its outputs at once, any other "
                             "rolls its run-ahead back (lossless either way). Greedy sequences only. Default: on for a "
                             "CUDA target (one rank) that decodes plainly or drafts in its own process (not UNO), off "
-                            "elsewhere (bench/results/session13_h200)")
+                            "elsewhere and with --disable-overlap-schedule (bench/results/session13_h200)")
         g.add_argument("--disable-run-ahead", action="store_true",
                        help="never run the next call ahead (the A/B switch of the default above)")
     if tp:
@@ -159,10 +159,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "{\"candidate_steps\": [0]}} (default: SGLang's tiers capped at --speculative-num-steps)")
     add_verify_args(g)
     g.add_argument("--disable-overlap-schedule", action="store_true",
-                   help="never split the running batch into two halves that ping-pong between the draft and target "
-                        "pods (gateway/overlap.py: one half verifies while the other drafts; by default the gateway "
-                        "measures both ways per batch size and keeps the faster); SGLang's flag name; acted on by the "
-                        "gateway")
+                   help="the sequential loop (SGLang's flag name): the gateway streams a step's tokens before the "
+                        "next call goes out (by default it detokenizes, stop-matches and streams them while that call "
+                        "is in flight), never splits the running batch into two halves that ping-pong between the "
+                        "draft and target pods (gateway/overlap.py: by default measured per batch size where the pods "
+                        "are on different devices), and the target pods do not run the next call ahead (unless "
+                        "--enable-run-ahead)")
     for entry in algorithms.ALGORITHMS.values():  # each algorithm's own flags (NGRAM trie, SYNTHETIC acceptance)
         for flag in entry.flags:
             if flag.type is None:
@@ -262,11 +264,15 @@ def run_ahead(args: argparse.Namespace) -> bool:
     plain decoding 1.12x, STANDALONE co-located 1.17x, EAGLE3 5/4/16 co-located and chained 1.12x; Llama-3.1-8B plain
     decoding through the services 1.05x): a CUDA target (one rank) that decodes plainly or drafts in its own process.
     Not on CPU (the run-ahead competes with the gateway for the same cores: no gain, bench/results/session11_cpu), not
-    UNO (its verify consumes a clean root its self-draft left pending), not tensor-parallel (not measured)."""
+    UNO (its verify consumes a clean root its self-draft left pending), not tensor-parallel (not measured). Run-ahead
+    is the target's part of the overlap schedule: --disable-overlap-schedule (the sequential loop) turns it off too,
+    unless --enable-run-ahead asks for it."""
     if getattr(args, "disable_run_ahead", False):
         return False
     if getattr(args, "enable_run_ahead", False):
         return True
+    if getattr(args, "disable_overlap_schedule", False):
+        return False
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     on_cuda = str(getattr(args, "device", "")).startswith("cuda") or getattr(args, "base_gpu_id", None) is not None
     single = getattr(args, "tp_size", 1) == 1  # (tensor-parallel targets: not measured)

@@ -137,6 +137,8 @@ def commands(args: argparse.Namespace, temp_dirs: list[Path] | None = None) -> d
                                *(["--colocate-draft"] if colocates_draft(args) else []),
                                *(["--enable-run-ahead"] if getattr(args, "enable_run_ahead", False) else []),
                                *(["--disable-run-ahead"] if getattr(args, "disable_run_ahead", False) else []),
+                               *(["--disable-overlap-schedule"]
+                                 if getattr(args, "disable_overlap_schedule", False) else []),
                                *(["--disable-chained-speculative-steps"]
                                  if getattr(args, "disable_chained_speculative_steps", False) else [])]
         target_addrs.append(f"{host}:{port}")

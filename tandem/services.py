@@ -444,6 +444,7 @@ async def run_gateway(args: argparse.Namespace) -> None:
                                  max_prompt_tokens=args.max_prompt_tokens,
                                  enable_overlap_drafting=args.enable_overlap_drafting,
                                  overlap_schedule=_overlap_schedule(args, infos, draft_infos),
+                                 defer_delivery=not args.disable_overlap_schedule,
                                  num_continuous_decode_steps=continuous_decode_steps(args),
                                  speculative_steps_per_call=speculative_steps_per_call(args),
                                  routing=routing,

@@ -45,6 +45,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                       enable_overlap_drafting: bool = False, adaptive=None, device: str = "cpu",
                       dtype: str = "float32", num_continuous_decode_steps: int = 1, inline_steps: bool = True,
                       prefix_cache: bool = True, static_steps: bool = False, overlap_schedule: str = "auto",
+                      defer_delivery: bool = True,
                       tokenizer=None, use_rejection_sampling: bool = False, accept_thresholds=None,
                       multi_layer: bool = False, draft_window_size: int | None = None,
                       lora_path: Path | None = None, colocate: bool = False, run_ahead: bool = False,
@@ -54,7 +55,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     ModelWorker mode; prefix_cache: the target's and a STANDALONE draft's (on by default, as `tandem` runs them);
     static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
     verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1);
-    overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; tokenizer: the gateway's
+    overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; defer_delivery: a step's
+    tokens are streamed while the next call is in flight (False: --disable-overlap-schedule's sequential loop); tokenizer: the gateway's
     (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
     use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
     accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
@@ -134,7 +136,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                                                  enable_overlap_drafting=enable_overlap_drafting,
                                                  num_continuous_decode_steps=num_continuous_decode_steps,
                                                  speculative_steps_per_call=num_continuous_decode_steps,
-                                                 overlap_schedule=overlap_schedule,
+                                                 overlap_schedule=overlap_schedule, defer_delivery=defer_delivery,
                                                  drafts_on_target=colocate),
                           adaptive=adaptive)
     await scheduler.start()

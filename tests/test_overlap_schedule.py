@@ -212,6 +212,7 @@ async def _texts(scheduler, prompts_ids, stops, max_new=40):
 
 
 @pytest.mark.parametrize("algorithm,overlap", [("STANDALONE", "off"), ("STANDALONE", "on"), ("NONE", "off"),
+                                               ("STANDALONE", "sequential"), ("NONE", "sequential"),
                                                ("EAGLE3", "predraft"), ("EAGLE3", "colocate"),
                                                ("EAGLE3", "colocate-k4")])
 async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_critical_path(algorithm, overlap):
@@ -235,6 +236,8 @@ async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_c
         shape = dict(draft_path=DEFAULT_EAGLE3, num_steps=3, topk=2, num_draft_tokens=6, colocate=True,
                      num_continuous_decode_steps=4 if overlap.endswith("k4") else 1)
         overlap = "auto"
+    elif overlap == "sequential":  # --disable-overlap-schedule: streamed before the next call goes out
+        shape["defer_delivery"], overlap = False, "off"
     async with local_stack(DEFAULT_MODEL, algorithm=algorithm, tokenizer=tokenizer, overlap_schedule=overlap,
                            **shape) as scheduler:
         assert scheduler._drafts_nothing == (algorithm == "NONE")
@@ -248,3 +251,29 @@ async def test_stop_strings_end_exactly_where_they_match_with_delivery_off_the_c
             else:
                 assert text == want_text and finish.value == "length"
         await _assert_no_kv_leak(scheduler)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+async def test_the_sequential_loop_streams_a_steps_tokens_before_the_next_call(pair, defer):
+    """--disable-overlap-schedule (defer_delivery False): every token a Verify committed has been streamed when the
+    next Propose or Verify goes out; by default some are still held then (streamed while that call is in flight).
+    Output is the same either way."""
+    target, draft, hf, _ = pair
+    held_at_calls = []
+    async with local_stack(target, algorithm="STANDALONE", draft_path=draft, num_steps=3, topk=1, num_draft_tokens=4,
+                           overlap_schedule="off", defer_delivery=defer) as scheduler:
+        for clients, name in ((scheduler.targets.clients, "verify"), (scheduler.drafts.clients, "propose")):
+            for client in clients:
+                call = getattr(client, name)
+
+                async def watched(*args, call=call, **kwargs):
+                    held_at_calls.append(sum(len(s._outbox) for s in scheduler._running))
+                    return await call(*args, **kwargs)
+
+                setattr(client, name, watched)
+        cases = prompts(hf.config.vocab_size)[:2]
+        outs = await asyncio.gather(*(generate_ids(scheduler, p, 20, request_id=f"d{i}") for i, p in enumerate(cases)))
+    for prompt, (got, _, _) in zip(cases, outs):
+        assert got == hf_greedy(hf, prompt, 20)
+    assert len(held_at_calls) > 10
+    assert (max(held_at_calls) > 0) == defer, held_at_calls

@@ -143,6 +143,10 @@ def test_serve_passes_run_ahead_to_every_target_process():
     child = build_parser().parse_args(targets("--enable-run-ahead")[0][3:])
     assert child.enable_run_ahead
     assert all("--disable-run-ahead" in cmd for cmd in targets("--disable-run-ahead"))
+    # the sequential loop reaches the targets too (their run-ahead is part of the overlap schedule)
+    sequential = targets("--disable-overlap-schedule")
+    assert all("--disable-overlap-schedule" in cmd for cmd in sequential)
+    assert build_parser().parse_args(sequential[0][3:]).disable_overlap_schedule
 
 
 @pytest.mark.parametrize("flags,want", [
@@ -155,6 +159,8 @@ def test_serve_passes_run_ahead_to_every_target_process():
     (["--device", "cuda", "--tp-size", "2"], False),  # not measured with tensor parallelism
     (["--device", "cuda", "--disable-run-ahead"], False),
     (["--device", "cpu", "--enable-run-ahead"], True),
+    (["--device", "cuda", "--disable-overlap-schedule"], False),  # the sequential loop
+    (["--device", "cuda", "--disable-overlap-schedule", "--enable-run-ahead"], True),
 ])
 def test_run_ahead_default_follows_the_measurements(flags, want):
     """Run-ahead is on where the H200 measured it faster (bench/results/session13_h200): a CUDA target decoding
