@@ -1,7 +1,9 @@
 """Where the time of one draft Propose goes, for the demo family's feature and model drafts (in-process engine loop of
 tools/spec_eval, batch 1, greedy, held-out prompts): wall time per Propose and per Verify, torch ops dispatched per
 Propose (each one a kernel launch or at least a dispatcher trip from Python), and on CUDA the kernels launched and
-their GPU time per Propose (torch.profiler/CUPTI), so host overhead = wall - GPU time. Draft CUDA graphs on and off
+their GPU time per Propose (torch.profiler/CUPTI), so host overhead = wall - GPU time (#11's measure), and the
+device's span per Propose (first kernel's start to last one's end: inside a CUDA graph the gaps between kernels are
+the device's launch latency), so the wall outside that span is what the host adds. Draft CUDA graphs on and off
 side by side.
 
 Why: on the H200 the EAGLE-3 tree draft of an 8 M demo model took 4-8 ms per Propose while its GPU work is well under
@@ -24,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from protos.profiler import device_intervals  # noqa: E402
 from tandem.args import DEFAULT_MODEL  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
 from tools.spec_eval import EngineBench, Method, load_prompts  # noqa: E402
@@ -94,7 +97,12 @@ class Timed:
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
         gpu_us = sum(e.device_time for e in kernels)
         names = collections.Counter(e.name[:60] for e in kernels)
-        self.kernels = {"kernels": len(kernels), "gpu_ms": gpu_us / 1e3, "top": names.most_common(10)}
+        # the device's span (first event's start to last one's end): kernel time plus the gaps between kernels, which
+        # inside a CUDA graph are the device's own launch latency, not host work
+        intervals = device_intervals(prof)
+        span_us = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
+        self.kernels = {"kernels": len(kernels), "gpu_ms": gpu_us / 1e3, "span_ms": span_us / 1e3,
+                        "top": names.most_common(10)}
         return out
 
     def verify(self, fn, inputs):
@@ -124,7 +132,10 @@ def run_config(bench: EngineBench, method: Method, prompts: list[list[int]], new
            "verify_ms": 1e3 * sum(timed.verify_s) / max(len(timed.verify_s), 1), **(timed.ops or {})}
     if timed.kernels:
         row.update(kernels_per_propose=timed.kernels["kernels"], gpu_ms_per_propose=timed.kernels["gpu_ms"],
-                   host_ms_per_propose=row["propose_ms"] - timed.kernels["gpu_ms"], top_kernels=timed.kernels["top"])
+                   host_ms_per_propose=row["propose_ms"] - timed.kernels["gpu_ms"],
+                   gpu_span_ms_per_propose=timed.kernels["span_ms"],
+                   outside_span_ms_per_propose=row["propose_ms"] - timed.kernels["span_ms"],
+                   top_kernels=timed.kernels["top"])
     return row
 
 
@@ -162,13 +173,15 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| method | draft graphs | τ | tok/s | Propose ms | Verify ms | aten ops / Propose (compute) | "
-             "kernels / Propose | GPU ms / Propose | host ms / Propose |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "kernels / Propose | GPU ms / Propose | host ms / Propose | GPU span ms | outside the span ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['draft_graphs']} | {r['tau']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['propose_ms']:.2f} | {r['verify_ms']:.2f} | "
                      f"{r.get('aten_ops', '-')} ({r.get('compute_ops', '-')}) | {r.get('kernels_per_propose', '-')} | "
-                     + (f"{r['gpu_ms_per_propose']:.2f} | {r['host_ms_per_propose']:.2f} |"
-                        if "gpu_ms_per_propose" in r else "- | - |"))
+                     + (f"{r['gpu_ms_per_propose']:.2f} | {r['host_ms_per_propose']:.2f} | "
+                        f"{r['gpu_span_ms_per_propose']:.2f} | {r['outside_span_ms_per_propose']:.2f} |"
+                        if "gpu_ms_per_propose" in r else "- | - | - | - |"))
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out_dir:

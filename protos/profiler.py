@@ -241,7 +241,7 @@ class ProcessProfiler:
             if cuda:  # the device's busy time beside the host's: what a step costs the GPU
                 gpu_us = sum(getattr(e, device_key, 0) for e in events)
                 lines.insert(3, f"GPU kernels: {gpu_us / 1e3 / per:.3f} ms per step (self time of every kernel)")
-                timeline = gpu_timeline(_device_intervals(self._torch), per)
+                timeline = gpu_timeline(device_intervals(self._torch), per)
                 if timeline:
                     lines.insert(4, timeline)
             lines.append(f"## torch ops{' and CUDA kernels' if cuda else ''} by {key} (whole profile)")
@@ -249,7 +249,7 @@ class ProcessProfiler:
         return "\n".join(lines) + "\n"
 
 
-def _device_intervals(torch_profile) -> list[tuple[float, float]]:
+def device_intervals(torch_profile) -> list[tuple[float, float]]:
     """(start, end) in µs of every device event (kernels, copies, memsets) of a stopped torch profile."""
     events = getattr(torch_profile, "events", None)
     if events is None:
