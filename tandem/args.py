@@ -279,13 +279,22 @@ def run_ahead(args: argparse.Namespace) -> bool:
     return on_cuda and single and (not entry.drafts or colocates_draft(args))
 
 
-def decode_prefetch(args: argparse.Namespace) -> bool:
+# A target whose weights are at least this large prefetches its plain decode steps by default (decode_prefetch).
+DECODE_PREFETCH_MIN_WEIGHT_BYTES = 1 << 30
+
+
+def decode_prefetch(args: argparse.Namespace, weight_bytes: int) -> bool:
     """Pipelined plain decode enqueues the next call's steps before its readback (ModelRunner.greedy_decode_steps
-    prefetch): only with run-ahead in effect, and off until measured: TANDEM_DECODE_PREFETCH=1 turns it on. Why: the
-    8B plain decoding profile through `tandem serve` (bench/results/session20, H100) showed the GPU idle 2.2-3.2 ms
-    between 4-step Verify calls (~10% of the wall) while the answer travels; the stage prefetch_ab of
-    bench/gpu_session.sh is the A/B that decides the default."""
-    return os.environ.get("TANDEM_DECODE_PREFETCH", "0") == "1" and run_ahead(args)
+    prefetch), with run-ahead in effect, for a target whose decode step is device-bound: weights of at least
+    DECODE_PREFETCH_MIN_WEIGHT_BYTES. TANDEM_DECODE_PREFETCH=1 / 0 forces it on / off (with run-ahead). Chosen by
+    bench/gpu_session.sh stage prefetch_ab (bench/results/session21, one H100, same call): Llama-3.1-8B shapes
+    through `tandem serve` 145.7 -> 161.8 tok/s at batch 1 (1.11x), 1025 -> 1175 at 8 (1.15x), 6105 -> 6943 at 64
+    (1.14x); the 8 M-parameter demo model (a step of ~0.1 ms of GPU: host-bound, run-ahead already hides the answer's
+    trip) 1473 -> 1242 tok/s (0.84x, one run each on a noisy host), so small models keep it off."""
+    forced = os.environ.get("TANDEM_DECODE_PREFETCH")
+    if forced in ("0", "1"):
+        return forced == "1" and run_ahead(args)
+    return run_ahead(args) and weight_bytes >= DECODE_PREFETCH_MIN_WEIGHT_BYTES
 
 
 def model_path(args: argparse.Namespace) -> str:

@@ -68,8 +68,8 @@ class TargetEngine:
         self._prefix_cache = runner.block_manager.prefix_cache
         self.last_forward_ms = 0.0
         # Pipelined plain decode runs enqueue the next call's steps before their readback (ModelRunner
-        # .greedy_decode_steps prefetch): set by a target pod that runs ahead (--enable-run-ahead), or by
-        # TANDEM_DECODE_PREFETCH=1/0 (bench/gpu_session.sh stage prefetch_ab measures it)
+        # .greedy_decode_steps prefetch): set by a target pod that runs ahead with a device-bound decode step
+        # (tandem.args.decode_prefetch, chosen by bench/gpu_session.sh stage prefetch_ab)
         self.decode_prefetch = False
         if self._capture:  # feature steps then replay CUDA graphs too (they return these layers' states)
             runner.set_graph_capture_layers(self._capture)

@@ -195,3 +195,25 @@ async def test_a_run_ahead_that_fails_halfway_is_a_miss_and_the_output_is_unchan
         assert failed and got == hf_greedy(hf, prompt, 30)
         assert servicer.run_ahead_counts["miss"] >= 1 and servicer.run_ahead_counts["hit"] > 0
         await _assert_no_kv_leak(scheduler)
+
+
+@pytest.mark.parametrize("flags,weight_bytes,env,want", [
+    (["--device", "cuda"], 16 << 30, None, True),  # an 8B target decoding plainly: measured 1.11-1.15x
+    (["--device", "cuda"], 16 << 20, None, False),  # the demo model: host-bound steps, measured 0.84x
+    (["--device", "cuda", "--disable-run-ahead"], 16 << 30, None, False),  # prefetch is part of the run-ahead
+    (["--device", "cpu"], 16 << 30, None, False),
+    (["--device", "cuda"], 16 << 20, "1", True),
+    (["--device", "cuda"], 16 << 30, "0", False),
+    (["--device", "cpu"], 16 << 20, "1", False),  # forced on, but nothing runs ahead
+])
+def test_decode_prefetch_default_follows_the_measurements(monkeypatch, flags, weight_bytes, env, want):
+    """Plain decode steps are prefetched by a target that runs ahead with a device-bound step (weights >= 1 GiB:
+    bench/results/session21); TANDEM_DECODE_PREFETCH=1/0 forces it."""
+    from tandem.args import decode_prefetch
+    from tandem.cli import build_parser
+
+    if env is None:
+        monkeypatch.delenv("TANDEM_DECODE_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_DECODE_PREFETCH", env)
+    assert decode_prefetch(build_parser().parse_args(["target", *flags]), weight_bytes) is want
