@@ -68,6 +68,7 @@ class _Node:
 
 
 _LAST_USED = operator.attrgetter("last_used")
+_FREQ_LAST_USED = operator.attrgetter("freq", "last_used")
 
 
 class NgramProposer:
@@ -243,7 +244,7 @@ class NgramProposer:
             width = max(1, int(breadth))
             next_level = []
             for trie_node, tree_node in level:
-                recent = heapq.nlargest(width, trie_node.children.values(), key=lambda c: c.last_used)
+                recent = heapq.nlargest(width, trie_node.children.values(), key=_LAST_USED)
                 for child in recent:
                     idx = tree.add(tree_node, child.token)
                     if idx is None:
@@ -262,7 +263,7 @@ class NgramProposer:
             nonlocal counter
             total = sum(c.freq for c in trie_node.children.values())
             top = heapq.nlargest(self.config.max_bfs_breadth, trie_node.children.values(),
-                                 key=lambda c: (c.freq, c.last_used))
+                                 key=_FREQ_LAST_USED)
             for child in top:
                 counter += 1
                 heapq.heappush(heap, (-prob * child.freq / total, counter, child, tree_parent))
