@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import secrets
 import signal
 import socket
@@ -29,13 +30,50 @@ RESTART_RESET_S = 60.0  # a child that stayed up this long restarts after the fi
 _TAKEN: set[int] = set()  # ports this launch handed out or must leave alone (the gateway's, Envoy's)
 
 
+def _ephemeral_low() -> int:
+    """The first port of the range the OS takes outgoing connections' local ports from (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port (the first of `span` consecutive ones) free now, for a service started next. Picked at random below the
+    OS's ephemeral range where there is room: a port the OS hands out for bind(0) comes from the range outgoing
+    connections take their local ports from, so any connection opened before the service binds it can take it
+    (a `tandem serve` child then fails with 'address already in use')."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200 if low - span > 11024 else 0):
+        port = rng.randrange(max(1024, low - 12000), low - span)
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind((host, p))
+            return port
+        except OSError:
+            continue
+    while True:  # no room below the ephemeral range: the OS's choice
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if span == 1:
+            return port
+        try:
+            for p in range(port + 1, port + span):
+                with socket.socket() as s:
+                    s.bind((host, p))
+            return port
+        except OSError:
+            continue
+
+
 def _free_port(host: str) -> int:
     """A free port for a child, never one of the fixed ports nor one already handed out: the OS may offer the
     gateway's --port (free until the gateway binds it) to a model service started first."""
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = free_port(host)
         if port not in _TAKEN:
             _TAKEN.add(port)
             return port

@@ -3,23 +3,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from tandem.args import DEFAULT_MODEL
+from tandem.launch import free_port  # noqa: F401 (the tests' port helper)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "generation_config.json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2):

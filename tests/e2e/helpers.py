@@ -3,19 +3,13 @@ tokenizer (so the gateway can start) while staying cheap enough for long streams
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 from tandem.args import DEFAULT_MODEL
 from tests.tiny_models import make_tiny_model
+from tandem.launch import free_port  # noqa: F401 (the tests' port helper)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_model_with_tokenizer(root: Path, **overrides) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ import transformers
 from protos.tandem.v1 import tandem_pb2 as pb
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc
 from tandem.args import DEFAULT_MODEL
+from tandem.launch import free_port as _free_port
 
 pytestmark = pytest.mark.slow
 SERVICE_KEY = "e2e-service-key"  # the model services' credential (tandem serve would generate one)
 SERVICE_AUTH = (("authorization", f"Bearer {SERVICE_KEY}"),)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:

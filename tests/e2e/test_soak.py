@@ -41,7 +41,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 class ServeStack:
     def __init__(self, model: Path):
-        self.ports = {name: _free_port() for name in ("http", "grpc", "target", "draft", "metrics")}
+        self.ports = {name: _free_port() for name in ("http", "grpc", "target", "draft")}
+        self.ports["metrics"] = _free_port(span=2)
         self.ports["draft_metrics"] = self.ports["metrics"] + 1  # the launcher counts up: targets, then drafts
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model-path", str(model),
                "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(model),

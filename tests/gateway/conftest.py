@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ import pytest
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from gateway.types import FinishReason, GatewayError, GenerateChunk, GenerateParams, Usage
+from tandem.launch import free_port  # noqa: F401 (the tests' port helper)
 
 EOT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML = ("{%- for message in messages -%}"
@@ -175,12 +175,6 @@ class FakeBackend:
 @pytest.fixture
 def backend(tokenizer) -> FakeBackend:
     return FakeBackend(tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from tandem.cli import build_parser
 from tandem.launch import commands
 from tests.ops.conftest import parse_metrics
+from tandem.launch import free_port as _free_port
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
@@ -54,12 +54,6 @@ def test_launcher_passes_ops_flags_to_the_right_children():
 def test_metrics_off_and_plaintext_by_default():
     cmds = commands(_args("--speculative-algorithm", "STANDALONE"))
     assert not any(f in c for c in cmds.values() for f in ("--metrics-port", "--tls-cert", "--service-tls-ca"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
