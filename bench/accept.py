@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from tandem.args import DEFAULT_MODEL  # noqa: E402
+from tandem.launch import free_port  # noqa: E402,F401 (re-exported for the other benches)
 
 CONFIGS = {
     "AR": [],
@@ -127,12 +127,6 @@ def heldout_prompts(model_dir: Path, n: int, prompt_chars: int) -> list[str] | l
         if len(prompts) == n:
             break
     return prompts or ["def main():\n    "] * n
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(proc: subprocess.Popen, channel: grpc.Channel, name: str, timeout_s: float = 300.0) -> None:

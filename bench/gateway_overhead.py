@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from rpc_overhead import EchoTarget  # noqa: E402  (Verify and VerifyStream through _answer)
 from tandem.args import DEFAULT_MODEL  # noqa: E402
+from tandem.launch import free_port as _free_port  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -107,12 +107,6 @@ finally:  # the gateway shuts down on SIGTERM and returns
     profile.disable()
     profile.dump_stats(out)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _wait_ready(address: str, timeout_s: float = 120.0) -> None:

@@ -77,7 +77,7 @@ def run(name: str, flags: list[str], prompts, batch: int, args) -> dict:
             "pingpong_iterations": _metric(text, "overlap_iterations", '{mode="pingpong"}'),
             "sequential_iterations": _metric(text, "overlap_iterations", '{mode="sequential"}'),
             "both_busy_s": _metric(text, "overlap_both_busy_seconds"),
-            "predraft_hits": hits, "predraft_misses": misses, "outputs": [ids for _, ids in results]}
+            "predraft_hits": hits, "predraft_misses": misses, "outputs": [ids for _, ids, _ in results]}
 
 
 def main() -> None:

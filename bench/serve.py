@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from tandem.launch import free_port as _free_port  # noqa: E402
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -212,12 +212,6 @@ def _counts(items) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- command line
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(serve_args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
     port, grpc_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),

@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
 from protos.tandem.v1 import tandem_pb2_grpc as pb_grpc  # noqa: E402
 from bench.accept import profile_prompt  # noqa: E402
 from tandem.args import REPO_ROOT  # noqa: E402
+from tandem.launch import free_port  # noqa: E402,F401 (re-exported for the other benches)
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -43,12 +43,6 @@ LLAMA_8B = {
 }
 TINY = {**LLAMA_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 2048, "torch_dtype": "float32"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(tiny: bool) -> Path:
