@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -103,3 +104,19 @@ def test_serve_with_mtls_api_key_json_logs_and_metrics(tiny_model, certs, tmp_pa
     assert finished[0]["completion_tokens"] == 12 and finished[0]["finish_reason"] == "length"
     assert finished[0]["seq_id"] and finished[0]["accept_length"] > 1.0
     assert all({"ts", "level", "logger", "msg"} <= set(e) for e in lines)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_bind():
+    """tandem serve's ports for the services it starts (and the tests'): free when picked, and below the range the OS
+    takes outgoing connections' local ports from (a port there can be taken before the service binds it)."""
+    from tandem.launch import _ephemeral_low
+
+    low = _ephemeral_low()
+    ports = [_free_port() for _ in range(20)]
+    if low > 12000:
+        assert all(1024 <= p < low for p in ports), (low, ports)
+    assert len(set(ports)) > 1  # picked at random, not one fixed port
+    first = _free_port(span=3)
+    for port in range(first, first + 3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # each of the span is free
