@@ -45,6 +45,7 @@ class StaticStep:
         # On CUDA the packed inputs are built in pinned host memory kept across steps (no allocation or pinning per
         # step) and the readback lands in another: both copies are asynchronous DMA.
         self._staging: torch.Tensor | None = None
+        self._pad_row: torch.Tensor | None = None  # one padding row (_pad_host), copied into every new host block
         self._staged: torch.cuda.Event | None = None  # the last copy out of _staging
         self._readback = pinned.Readback()
 
@@ -122,17 +123,20 @@ class StaticStep:
         up to max_table_len blocks (None: the widest; the columns past it keep stale values on the device, which the
         step never reads: every sequence's KV ends before them)."""
         width = self.cols if max_table_len is None else self.table_col + max(1, max_table_len)
+        if self._pad_row is None:
+            with torch.inference_mode(False):
+                self._pad_row = torch.zeros(1, self.cols, dtype=torch.int64)
+                self._pad_host(self._pad_row)
+        padding = self._pad_row[:, :width].expand(bs, width)
         if self.inputs.device.type != "cuda":
-            host = torch.zeros(bs, width, dtype=torch.int64)
-        else:
-            if self._staging is None:
-                with torch.inference_mode(False):  # a normal tensor: steps run in and out of inference mode
-                    self._staging = torch.empty(self.max_bs * self.cols, dtype=torch.int64, pin_memory=True)
-            if self._staged is not None:
-                self._staged.synchronize()  # the last step's copy out of the buffer is done (it normally is)
-            host = self._staging[:bs * width].view(bs, width)
-            host.zero_()
-        self._pad_host(host)
+            return padding.clone()
+        if self._staging is None:
+            with torch.inference_mode(False):  # a normal tensor: steps run in and out of inference mode
+                self._staging = torch.empty(self.max_bs * self.cols, dtype=torch.int64, pin_memory=True)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's copy out of the buffer is done (it normally is)
+        host = self._staging[:bs * width].view(bs, width)
+        host.copy_(padding)  # one copy of the padding rows (was a zero fill and _pad_host's writes per step)
         return host
 
     def _pad_host(self, host: torch.Tensor) -> None:
