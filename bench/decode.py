@@ -82,7 +82,7 @@ def bench_ours(cfg: ModelConfig, args, device: torch.device) -> dict:
     runner = ModelRunner(None, EngineConfig(
         device=str(device), dtype=args.dtype, load_format="dummy", attention_backend=backend, num_kv_blocks=blocks,
         cuda_graph_max_bs=max_bs, cuda_graph_num_draft_tokens=args.num_draft_tokens), cfg)
-    weights_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights_bytes = runner.weight_bytes()
     rng = random.Random(0)
     results: dict = {"weights_bytes": weights_bytes, "attention_backend": backend,
                      "graphs_captured": runner.graph_runner is not None, "decode": {}, "verify": {}}

@@ -262,6 +262,10 @@ class ModelRunner:
         """KV index of the open tree region's node 0, or None when no region is open."""
         return self._state(seq_id).region_start
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's model parameters: what one decode step reads."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def free_seq(self, seq_id: str) -> None:
         self._drop_prefetch([seq_id])
         self._state(seq_id)

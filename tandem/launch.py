@@ -43,30 +43,28 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     OS's ephemeral range where there is room: a port the OS hands out for bind(0) comes from the range outgoing
     connections take their local ports from, so any connection opened before the service binds it can take it
     (a `tandem serve` child then fails with 'address already in use')."""
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(200 if low - span > 11024 else 0):
-        port = rng.randrange(max(1024, low - 12000), low - span)
-        try:
-            for p in range(port, port + span):
-                with socket.socket() as s:
-                    s.bind((host, p))
+    low, rng = _ephemeral_low(), random.SystemRandom()
+    tries_below = 200 if low - span > 11024 else 0  # room for a range of 12,000 ports above 1024
+    while True:
+        if tries_below:
+            tries_below -= 1
+            port = rng.randrange(low - 12000, low - span)
+        else:  # no room below the range (or nothing free there): the OS's choice
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        if _bindable(host, port, span):
             return port
-        except OSError:
-            continue
-    while True:  # no room below the ephemeral range: the OS's choice
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if span == 1:
-            return port
-        try:
-            for p in range(port + 1, port + span):
-                with socket.socket() as s:
-                    s.bind((host, p))
-            return port
-        except OSError:
-            continue
+
+
+def _bindable(host: str, port: int, span: int) -> bool:
+    try:
+        for p in range(port, port + span):
+            with socket.socket() as s:
+                s.bind((host, p))
+        return True
+    except OSError:
+        return False
 
 
 def _free_port(host: str) -> int:

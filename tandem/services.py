@@ -170,7 +170,7 @@ async def run_target(args: argparse.Namespace) -> None:
     _check_service_auth(args)
     engine = TargetEngine(runner, **_feature_capture(args, runner), accept_thresholds=_accept_thresholds(args))
     _static_verify(engine, args)
-    engine.decode_prefetch = decode_prefetch(args, _weight_bytes(runner.model))
+    engine.decode_prefetch = decode_prefetch(args, runner.weight_bytes())
     entry = algorithms.get(getattr(args, "speculative_algorithm", None))
     # UNO: this pod also plays the draft role (registry drafts_on_target): DraftService over the target engine.
     # --colocate-draft: the draft service's proposer, built in this process on this device.
@@ -366,11 +366,6 @@ async def _wait_for_pod(client, name: str, deadline_s: float):
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: {name} at {client.address} did not come up: {exc}") from None
             await asyncio.sleep(0.5)
-
-
-def _weight_bytes(model) -> int:
-    """Bytes of a model's parameters on this rank (what one decode step reads)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _overlap_schedule(args: argparse.Namespace, target_infos, draft_infos) -> str:

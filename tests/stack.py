@@ -56,8 +56,8 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
     static_steps: the triton backend with the static draft and verify steps (runtime/speculative/draft_step.py,
     verify_step.py) for the served shape, as `tandem serve` runs them on a GPU (on CPU: TRITON_INTERPRET=1);
     overlap_schedule: the gateway's ping-pong halves (gateway/overlap.py), auto/on/off; defer_delivery: a step's
-    tokens are streamed while the next call is in flight (False: --disable-overlap-schedule's sequential loop); tokenizer: the gateway's
-    (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
+    tokens are streamed while the next call is in flight (False: --disable-overlap-schedule's sequential loop);
+    tokenizer: the gateway's (gateway.tokenizer.Tokenizer), for requests that detokenize and stop on strings;
     use_rejection_sampling: an EAGLE draft samples chains of sampled requests (--speculative-use-rejection-sampling);
     accept_thresholds: the target's AcceptThresholds (--speculative-accept-threshold-single/-acc);
     multi_layer: multi-layer EAGLE over the draft checkpoint's MTP layers (--enable-multi-layer-eagle);
