@@ -1,4 +1,5 @@
-"""RMSNorm, and residual add + RMSNorm in one pass, for the decoder's per-layer norms.
+"""RMSNorm, residual add + RMSNorm in one pass, and two RMSNorms side by side in one output (EAGLE-3's input pair),
+for the decoder's per-layer norms.
 
 Numerics follow runtime/models/llama.py's torch RMSNorm exactly: fp32 statistics, the normalized row rounded to the
 input dtype, then multiplied by the weight in the promoted dtype (as `weight * x32.to(dtype)` does). The residual sum
@@ -40,6 +41,30 @@ def _rms_norm_kernel(
     normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * DIM + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(
+    a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, eps_a, eps_b, stride_a, stride_b, stride_out,
+    DIM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # program (row, 0) norms a's row into out[row, :DIM], (row, 1) b's into out[row, DIM:]: the math of
+    # _rms_norm_kernel per row, so the pair equals two rms_norm calls and a cat bit for bit
+    row = tl.program_id(0).to(tl.int64)
+    second = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < DIM
+    if second == 0:
+        x = tl.load(a_ptr + row * stride_a + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(wa_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        eps = eps_a
+    else:
+        x = tl.load(b_ptr + row * stride_b + offs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(wb_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        eps = eps_b
+    var = tl.sum(x * x, axis=0) / DIM
+    normed = (x * tl.rsqrt(var + eps)).to(a_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + second * DIM + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(t: torch.Tensor, name: str) -> tuple[int, int, int, int]:
@@ -89,6 +114,33 @@ def fused_add_rms_norm(
     The sum goes into x, the fresh output of the previous sublayer, rather than into residual: the caller's stream
     tensor is never modified, so a captured copy of it (EAGLE3's aux hidden states) stays valid without a clone."""
     return _launch(x, residual, weight, eps), x
+
+
+def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor, eps_a: float,
+                  eps_b: float) -> torch.Tensor:
+    """torch.cat([weight_a * rmsnorm(a), weight_b * rmsnorm(b)], dim=-1) in one launch (EAGLE-3's decoder input:
+    the token embedding and the feature, each normed, side by side; was two norms and a cat). a, b: (R, D) of one
+    dtype, contiguous in D; weights (D,) of one dtype. Returns a new (R, 2D) tensor in the promoted dtype."""
+    check(a.dim() == 2 and b.shape == a.shape, f"a and b must be (rows, dim) of one shape, got {tuple(a.shape)} "
+                                               f"and {tuple(b.shape)}")
+    check(a.dtype in FLOAT_DTYPES and b.dtype == a.dtype, f"a {a.dtype} and b {b.dtype} must share a float dtype")
+    check(a.stride(-1) == 1 and b.stride(-1) == 1, "a and b must be contiguous in their last dim")
+    dim = a.shape[-1]
+    for name, w in (("weight_a", weight_a), ("weight_b", weight_b)):
+        check(w.dim() == 1 and w.shape[0] == dim and w.is_contiguous() and w.dtype == weight_a.dtype,
+              f"{name} must be contiguous ({dim},) of one dtype with the other weight, got {tuple(w.shape)} {w.dtype}")
+        check(w.device == a.device, f"{name} is on {w.device}, a on {a.device}")
+    check(b.device == a.device, f"b is on {b.device}, a on {a.device}")
+    check(0 < dim <= MAX_DIM, f"dim {dim} outside 1..{MAX_DIM}")
+    out = torch.empty(a.shape[0], 2 * dim, dtype=torch.promote_types(weight_a.dtype, a.dtype), device=a.device)
+    if a.shape[0] == 0:
+        return out
+    block = next_pow2(dim)
+    _rms_norm_pair_kernel[(a.shape[0], 2)](
+        a, b, weight_a, weight_b, out, float(eps_a), float(eps_b), a.stride(0), b.stride(0), out.stride(0),
+        DIM=dim, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+    )
+    return out
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

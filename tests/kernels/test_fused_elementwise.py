@@ -1,4 +1,4 @@
-"""rms_norm, fused_add_rms_norm, rotary and silu_and_mul (Triton) against their torch references: odd widths, strided
+"""rms_norm, fused_add_rms_norm, rms_norm_pair, rotary and silu_and_mul (Triton) against their torch references: odd widths, strided
 head views of a fused qkv output, per-token and table-indexed cos/sin at large positions, fp32 and half dtypes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref
-from tandem_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
+from tandem_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_pair, rms_norm_ref
 from tandem_kernels.rope import rotary, rotary_ref
 from runtime.config import ModelConfig
 from runtime.models.llama import RotaryEmbedding
@@ -70,6 +70,34 @@ def test_fused_add_rms_norm_matches_ref(dtype, rows, dim, device):
     assert torch.equal(res, res_before), "the caller's residual tensor is left untouched"
     torch.testing.assert_close(got_stream, want_stream, **_tol(dtype))
     torch.testing.assert_close(got_out, want_out, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 96), (6, 100), (3, 64)])
+def test_rms_norm_pair_is_two_norms_and_a_cat(dtype, rows, dim, device):
+    # EAGLE-3's decoder input: cat(input_layernorm(embedding), hidden_norm(feature)); the feature a strided view
+    a = _randn(rows, dim, dtype=dtype, device=device, seed=dim, scale=3.0)
+    wide = _randn(rows, dim + 24, dtype=dtype, device=device, seed=dim + 1)
+    b = wide[:, 8:8 + dim]
+    wa = _randn(dim, dtype=dtype, device=device, seed=dim + 2)
+    wb = _randn(dim, dtype=dtype, device=device, seed=dim + 3)
+    got = rms_norm_pair(a, wa, b, wb, 1e-6, 1e-5)
+    assert got.shape == (rows, 2 * dim) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, torch.cat([rms_norm(a, wa, 1e-6), rms_norm(b, wb, 1e-5)], dim=-1)), \
+        "the same rows as two rms_norm launches, bit for bit"
+    torch.testing.assert_close(got, torch.cat([rms_norm_ref(a, wa, 1e-6), rms_norm_ref(b, wb, 1e-5)], dim=-1),
+                               **_tol(dtype))
+
+
+def test_rms_norm_pair_rejects_mismatched_inputs(device):
+    a, w = torch.randn(4, 16, device=device), torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="one shape"):
+        rms_norm_pair(a, w, torch.randn(3, 16, device=device), w, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        rms_norm_pair(a, w, a.double(), w, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="weight_b"):
+        rms_norm_pair(a, w, a, torch.ones(8, device=device), 1e-6, 1e-6)
+    assert rms_norm_pair(a[:0], w, a[:0], w, 1e-6, 1e-6).shape == (0, 32)
 
 
 def test_norm_rejects_bad_layout(device):
