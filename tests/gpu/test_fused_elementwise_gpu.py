@@ -15,7 +15,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tandem_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from tandem_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+from tandem_kernels.norm import (  # noqa: E402
+    fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_pair, rms_norm_ref)
 from tandem_kernels.rope import rotary, rotary_ref  # noqa: E402
 from runtime.config import EngineConfig, ModelConfig  # noqa: E402
 from runtime.model_runner import ModelRunner, SeqForward  # noqa: E402
@@ -66,6 +67,10 @@ def test_norms_8b_shapes(bs):
     q, _ = _views(_qkv(bs, bs))
     wq = torch.randn(HD, device="cuda").to(BF)
     _agree(rms_norm(q, wq, 1e-6), rms_norm_ref(q, wq, 1e-6), f"q-norm bs={bs}")
+    # EAGLE-3's input pair: the two norms side by side, bit for bit two rms_norm launches and a cat
+    w2 = torch.randn(H, device="cuda").to(BF)
+    assert torch.equal(rms_norm_pair(x, w, delta, w2, 1e-5, 1e-5),
+                       torch.cat([rms_norm(x, w, 1e-5), rms_norm(delta, w2, 1e-5)], dim=-1))
 
 
 @pytest.mark.parametrize("bs", [1, 16, 64])
