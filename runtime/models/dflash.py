@@ -219,8 +219,9 @@ class DFlashDraftModel(nn.Module):
         shape = (*positions.shape, 1, cos.shape[-1])
         return cos.reshape(shape), sin.reshape(shape)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head.to(hidden.dtype).t()).float()  # (..., V)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = hidden @ self.lm_head.to(hidden.dtype).t()  # (..., V)
+        return logits.float() if upcast else logits
 
     def set_target_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         device, dtype = self.fc.weight.device, self.fc.weight.dtype

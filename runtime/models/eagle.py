@@ -80,8 +80,9 @@ class LlamaEagleForCausalLM(nn.Module):
             h = layer(h, cos, sin, backend, kv_pool)
         return ModelOutput(hidden=h)  # no final norm: logits input and recurrent feature at once
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (rows, draft_vocab)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # (rows, draft_vocab)
+        return logits.float() if upcast else logits
 
     def tie_weights(self) -> None:
         pass

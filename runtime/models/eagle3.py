@@ -172,9 +172,10 @@ class LlamaEagle3ForCausalLM(nn.Module):
         # `hidden` is the recurrent feature; compute_logits applies the final norm unless it is already applied.
         return ModelOutput(hidden=self.norm(h) if self.options.norm_output else h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         x = hidden if self.options.norm_output else self.norm(hidden)
-        return self.lm_head(x).float()  # (rows, draft_vocab)
+        logits = self.lm_head(x)  # (rows, draft_vocab)
+        return logits.float() if upcast else logits
 
     def tie_weights(self) -> None:
         pass

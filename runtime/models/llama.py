@@ -348,11 +348,13 @@ class LlamaForCausalLM(nn.Module):
                 delta, h = self.layers[i].forward_fused(normed, h, cos, sin, backend, kv_pool)
         return normed
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """(rows, vocab) logits, float32 unless upcast is False (the model's dtype: for an argmax or the top-k
+        kernel, which read any float dtype and give the same answer, one cast kernel fewer per step in a graph)."""
         logits = self.lm_head(hidden)  # (rows, vocab) or, under TP, (rows, vocab_per_rank)
         if self.tp is not None:
             logits = self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]  # drop the padded rows
-        return logits.float()
+        return logits.float() if upcast else logits
 
     def tp_slice(self, name: str, part: int | None, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's share of a full checkpoint tensor for param `name` (part = q/k/v or gate/up index of a fused

@@ -85,8 +85,9 @@ class MTPHead(nn.Module):
         out = self.layers[self.active_layer](e, input_features, cos, sin, backend, kv_pool)  # (N, H)
         return ModelOutput(hidden=out, features=out if capture_layers is not None else None)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def tie_weights(self) -> None:
         pass

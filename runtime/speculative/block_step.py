@@ -108,7 +108,7 @@ class StaticBlockDraftStep(StaticStep):
             h = h + attn.o_proj(out.reshape(b, n, nh * hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = model.norm(h)
-        return model.compute_logits(h[:, 1:]).argmax(dim=-1)  # (b, B - 1)
+        return model.compute_logits(h[:, 1:], upcast=False).argmax(dim=-1)  # (b, B - 1)
 
     # ---- capture / replay ----------------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -133,7 +133,7 @@ class StaticDraftStep(StaticStep):
         out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, None, **extra)
         last = torch.arange(b, device=dev) * q + (q - 1)
         hidden = out.hidden[last]  # (b, H): the root's recurrent hidden (feature heads) / last hidden
-        root_logits = model.compute_logits(hidden)
+        root_logits = model.compute_logits(hidden, upcast=False)  # the top-k reads bf16 as it is (no cast kernel)
         width = steps * k
         # In a CUDA graph each tree level is one launch (tandem_kernels/tree.DeviceBeam: the beam expansion and the
         # next forward's inputs), elsewhere BeamTreeBuilder and these torch ops.
@@ -179,7 +179,7 @@ class StaticDraftStep(StaticStep):
                 max_query_len=k, tree_mask=ancestors.reshape(b * k, width), use_tree=all_tree)
             extra = {"input_features": feats.reshape(b * k, -1)} if self.feature_head else {}
             out = model(ids.reshape(-1), positions.reshape(-1), backend, kv_pool, None, **extra)
-            logits = model.compute_logits(out.hidden)  # (b*k, V)
+            logits = model.compute_logits(out.hidden, upcast=False)  # (b*k, V)
             parent_hidden = out.hidden.view(b, k, -1)
             values, indices = logprob_topk(logits, k)
             if kernels:
@@ -281,7 +281,7 @@ class StaticMultiLayerDraftStep(StaticDraftStep):
             model.active_layer = s  # read while the graph is captured: each step records its own layer's kernels
             out = model(ids.reshape(-1), pos.reshape(-1), runner.attn_backend, runner.kv_pool, None,
                         input_features=feats)
-            top = model.compute_logits(out.hidden[last]).argmax(dim=-1)  # (b,) draft ids
+            top = model.compute_logits(out.hidden[last], upcast=False).argmax(dim=-1)  # (b,) draft ids
             tokens.append(top)
             feats = out.hidden  # (b*q, H); padding rows stay in padding rows (row-wise ops, no KV written)
             ids = torch.cat([ids[:, 1:], self._to_target(top).unsqueeze(1)], dim=1)

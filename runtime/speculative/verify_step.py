@@ -102,7 +102,7 @@ class StaticVerifyStep(StaticStep):
             prefix_lens=start, max_query_len=w, tree_mask=region_tree_mask(parents).reshape(b * w, w),
             use_tree=torch.ones(b, dtype=torch.int32, device=dev))
         out = model(ids.reshape(-1), pos.reshape(-1), backend, kv_pool, self.capture_layers)
-        argmax = model.compute_logits(out.hidden).argmax(dim=-1).view(b, w)
+        argmax = model.compute_logits(out.hidden, upcast=False).argmax(dim=-1).view(b, w)
         feats = None
         if self.capture_layers:
             feats = model.norm(out.features) if self.final_norm else out.features
