@@ -150,23 +150,29 @@ class NgramProposer:
 
     def _insert(self, path: list[int], first_new_depth: int) -> None:
         """Walk/create the path; nodes at depth >= first_new_depth (1-based) gain one occurrence."""
-        if self._num_nodes + len(path) > self.config.capacity:  # the walk may create that many nodes
-            while self._num_nodes + len(path) - self._matched_len(path) > self.config.capacity:
+        m = len(path)
+        if self._num_nodes + m > self.config.capacity:  # the walk may create that many nodes
+            while self._num_nodes + m - self._matched_len(path) > self.config.capacity:
                 self._evict_oldest_leaf()  # may evict the end of this very path, so re-measure after each eviction
-        node, touched = self._root, []
+        # One pass: deepest first keeps ancestors more recent than descendants, so depth d (1-based) of m gets clock
+        # + m - d + 1, and the log takes the path deepest first (clock order).
+        node, touched, created = self._root, [], 0
+        stamp = self._clock + m
         for depth, token in enumerate(path, start=1):
-            child = node.children.get(token)
+            children = node.children
+            child = children.get(token)
             if child is None:
-                child = node.children[token] = _Node(token, node)
-                self._num_nodes += 1
-            if depth >= first_new_depth or child.freq == 0:
+                child = children[token] = _Node(token, node)
+                created += 1
+                child.freq = 1
+            elif depth >= first_new_depth:
                 child.freq += 1
+            child.last_used = stamp
+            stamp -= 1
             touched.append(child)
             node = child
-        # deepest first keeps ancestors more recent than descendants: depth d of m gets clock + m - d + 1
-        clock, m = self._clock, len(touched)
-        for d, child in enumerate(touched):
-            child.last_used = clock + m - d
+        self._num_nodes += created
+        clock = self._clock
         self._clock = clock + m
         touched.reverse()
         self._log_nodes.extend(touched)
