@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session21/NOTES.md): `user_path
 # profile_draft_all` (#11's user path and draft host time with the new defaults: decode prefetch on >= 1 GiB only),
 # then `spec8b_bs1 svc64_ab` (#11's 8B targets; the batch-64 services gap), on an H200 `serve_decode` for the AR floor;
@@ -321,6 +321,11 @@ for s in $STAGES; do
         > "$R/spec8b_services.log" 2>&1
       cat "$R/spec8b_services/results.md" 2>/dev/null || tail -5 "$R/spec8b_services.log"
       grep -h "chained speculative steps\|are not chained" "$R/spec8b_services"/*target*.log 2>/dev/null | head -3 ;;
+    ar8b_bs1)  # #11's AR floor alone (>= 210 tok/s at 8B bs 1 through the services, H200): plain decoding through tandem
+      # serve with every default (4 decode steps per call, run-ahead, the decode prefetch of a >= 1 GiB target)
+      timeout 150 python3 bench/serve_decode.py --batch-sizes 1 1 --max-new-tokens 256 --out-dir "$R/ar8b_bs1" \
+        -- --cuda-graph-max-bs 4 > "$R/ar8b_bs1.log" 2>&1
+      cat "$R/ar8b_bs1/results.md" 2>/dev/null || tail -5 "$R/ar8b_bs1.log" ;;
     ar8b_profile)  # #11's AR floor (>= 210 tok/s at 8B bs 1 through the services): plain decoding through tandem serve
       # with the defaults, timed, then one request profiled in every process (GPU busy vs idle per Verify call)
       timeout 200 python3 bench/serve_decode.py --batch-sizes 1 --max-new-tokens 256 --profile-dir "$R/ar8b_prof" \
