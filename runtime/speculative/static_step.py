@@ -149,9 +149,17 @@ class StaticStep:
 
     @staticmethod
     def put_rows(dst: torch.Tensor, placed: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Feature rows into a (bs, n, F) static input buffer with one copy: each (sequence, first row, rows) goes
-        into a block built where the rows are (the wire's on the host: one pinned copy), the rest zero (finite)."""
+        """Feature rows into a (bs, n, F) static input buffer: each (sequence, first row, rows) at its place. Rows
+        already on the buffer's device (a target's features handed over in process) are copied in directly, one
+        copy per sequence (was a zero fill, the copies and a whole-buffer copy: three launches at batch 1); the rows
+        not named keep earlier values, finite (zeros or earlier features) and never read: they are padding whose
+        outputs are dropped and which write no KV. Rows elsewhere (the wire's, on the host) go into a block built
+        there, the rest zero, and cross in one pinned copy."""
         src = placed[0][2].device
+        if src == dst.device and all(rows.device == src for _, _, rows in placed):
+            for i, first, rows in placed:
+                dst[i, first:first + rows.shape[0]].copy_(rows)
+            return
         block = torch.zeros(dst.shape, dtype=dst.dtype, device=src)
         for i, first, rows in placed:
             block[i, first:first + rows.shape[0]] = rows.to(src, dst.dtype)
