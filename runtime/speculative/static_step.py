@@ -155,11 +155,11 @@ class StaticStep:
         not named keep earlier values, finite (zeros or earlier features) and never read: they are padding whose
         outputs are dropped and which write no KV. Rows elsewhere (the wire's, on the host) go into a block built
         there, the rest zero, and cross in one pinned copy."""
-        src = placed[0][2].device
-        if src == dst.device and all(rows.device == src for _, _, rows in placed):
+        if all(rows.device == dst.device for _, _, rows in placed):
             for i, first, rows in placed:
                 dst[i, first:first + rows.shape[0]].copy_(rows)
             return
+        src = placed[0][2].device
         block = torch.zeros(dst.shape, dtype=dst.dtype, device=src)
         for i, first, rows in placed:
             block[i, first:first + rows.shape[0]] = rows.to(src, dst.dtype)
