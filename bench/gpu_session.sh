@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: spec8b_bs64 ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session22/NOTES.md: no machine was lent):
 # `chained_tests user_path profile_draft_all` (GPU correctness of session 22's kernels, #11's user path and draft host
 # time), then `ar8b_bs1 spec8b_bs1 svc64_ab` (#11's AR floor on an H200, the 8B targets, the batch-64 services gap);
@@ -311,6 +311,14 @@ for s in $STAGES; do
         NEXTN-chain --out "$R/accept_dflash.json" -- --device cuda --cuda-graph-max-bs 8 \
         > "$R/accept_dflash.log" 2>&1
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
+    spec8b_bs64)  # #11's batch-64 target (tree 6/4/16 >= 1.2x AR) with both timed services runs on a primed prefix
+      # cache (session 23: the AR run alone paid its admission waves' prefills), then the in-process reference
+      timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 64 \
+        --configs 6/4/16@5 --max-new-tokens 128 --colocate --out-dir "$R/spec8b64_services" > "$R/spec8b64_services.log" 2>&1
+      grep -E "^\[bs" "$R/spec8b64_services.log"; grep -E "^\| 64" "$R/spec8b64_services/results.md" 2>/dev/null
+      timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 64 --configs 6/4/16@5 \
+        --static-verify on --out-dir "$R/spec8b64_inproc" > "$R/spec8b64_inproc.log" 2>&1
+      grep -E "^\| 64" "$R/spec8b64_inproc/results.md" 2>/dev/null || tail -5 "$R/spec8b64_inproc.log" ;;
     spec8b_bs1)  # #11's 8B SYNTHETIC targets at batch 1 only: in-process (the reference), then through the services
       # (draft co-located, chained steps: the defaults), the same prompts (so the same tau) in both
       timeout 130 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 1 \
