@@ -441,9 +441,10 @@ for s in $STAGES; do
         cat "$R/spec_services_$mode/results.md" 2>/dev/null || tail -5 "$R/spec_services_$mode.log"
       done ;;
     adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size;
-      # the draft in the target's process (serve's default on one device: each Verify drafts the tier's next chain)
+      # the draft in the target's process (serve's default on one device: each Verify drafts the tier's next chain).
+      # ADAPTIVE_BS: the batch sizes (session 15 measured 1 8 32 64 before the bench primed both runs' prefixes)
       timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive --colocate \
-        --batch-sizes 1 8 32 64 --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1
+        --batch-sizes ${ADAPTIVE_BS:-1 8 32 64} --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1
       cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log" ;;
     mtp)  # one MTP layer for the demo target (a copy), trained here, then NEXTN through tandem serve vs plain decoding
       rm -rf /tmp/demo-mtp && cp -r $M /tmp/demo-mtp
