@@ -3,7 +3,7 @@
 # the rest; everything lands in $OUT/results.tgz (the device tool returns at most 8 files).
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
-# Stages: spec8b_bs64 ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
+# Stages: spec8b_bs64 overlap8b_sep ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
 # (default: the list below STAGES=, in order). Next session (bench/results/session23/NOTES.md: one H100, no H200):
 # `spec8b_bs64 adaptive ar8b_bs1 user_path` (the batch-64 tree and the adaptive tiers with the bench's primed prefixes,
 # #11's AR floor and user path on an H200); on two GPUs `overlap2` (#14).
@@ -379,6 +379,16 @@ for s in $STAGES; do
           --configs 6/4/16@5 --max-new-tokens 128 --colocate --gateway-args="$extra" --target-args="$extra" \
           --out-dir "$R/overlap8b_$c" > "$R/overlap8b_$c.log" 2>&1
         echo "-- 8B services, $c"; grep -E "^\| (1|32) " "$R/overlap8b_$c/results.md" 2>/dev/null || tail -5 "$R/overlap8b_$c.log"
+      done ;;
+    overlap8b_sep)  # #14's one-GPU 8B target as the issue words it: draft and target as separate processes on one
+      # GPU (no --colocate), the default overlap schedule against --disable-overlap-schedule, batch 1 and 32
+      for c in default sequential; do
+        extra=""; [ $c = sequential ] && extra="--disable-overlap-schedule"
+        timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 32 \
+          --configs 6/4/16@5 --max-new-tokens 128 --gateway-args="$extra" --target-args="$extra" \
+          --out-dir "$R/overlap8b_sep_$c" > "$R/overlap8b_sep_$c.log" 2>&1
+        echo "-- 8B services, separate draft process, $c"
+        grep -E "^\| (1|32) " "$R/overlap8b_sep_$c/results.md" 2>/dev/null || tail -5 "$R/overlap8b_sep_$c.log"
       done ;;
     svc64_ab)  # the batch-64 plain decoding gap of the services bench (session 20, H100: 69 ms of wall per 4-step
       # Verify call against 33 ms of target handler): the run-ahead hits/misses it now reports, prefetch off then on
