@@ -1,8 +1,8 @@
 """Adaptive speculation (`--speculative-adaptive [--speculative-adaptive-config F]`, SGLang's semantics for chain
 drafts): the number of draft steps per verify is chosen per batch-size slot from a few candidates, following an EMA
-of how many drafts the target accepted. Large batches default to candidate 0 (no speculation: a target-only step),
-because a verify of batch x (steps + 1) tokens stops being memory-bound there and speculation would be slower than
-plain decoding.
+of how many drafts the target accepted. Batches of 32 and more default to candidate 0 (no speculation: a target-only
+step), because a verify of batch x (steps + 1) tokens stops being memory-bound there and speculation is slower than
+plain decoding (default_config).
 
 Config (JSON, keys are batch-size lower bounds): {"1": {"candidate_steps": [1, 3, 7], "down_hysteresis": -0.25},
 "8": {"candidate_steps": [0, 1, 3]}, ...}; per slot also ema_alpha (0.2), warmup_batches (10), update_interval (5),
@@ -44,10 +44,14 @@ class SlotConfig:
 
 
 def default_config(max_steps: int) -> dict[int, SlotConfig]:
-    """SGLang's default tiers, with the largest batch-1 candidate capped at the configured --speculative-num-steps."""
+    """SGLang's default tiers below batch 32, with the largest batch-1 candidate capped at the configured
+    --speculative-num-steps; from batch 32 no drafting (SGLang: from 64). Its batch-32 tier (0 or 1 step) stays at a
+    1-step chain whenever most drafts are accepted, whatever the step costs: 8B SYNTHETIC chain through the services
+    (bench/gpu_session.sh adaptive), batch 32 at 0.83x plain decoding on an H100 (bench/results/session24; batch 64
+    0.88x, its admission waves and drain running below 64), 1.04x on an H200 (bench/results/session15_h200)."""
     top = [s for s in (1, 3, 7) if s < max_steps] + [max_steps]
     return {1: SlotConfig(sorted(set(top)), down_hysteresis=-0.25), 8: SlotConfig([0, 1, min(3, max_steps)]),
-            32: SlotConfig([0, 1]), 64: SlotConfig([0])}
+            32: SlotConfig([0])}
 
 
 def load_config(path: str | Path | None, max_steps: int) -> dict[int, SlotConfig]:
@@ -94,10 +98,26 @@ class _SlotState:
         return self.config.candidate_steps[self.index]
 
 
+# Target-only steps after which a batch that moved into a drafting slot drafts again (see AdaptiveSpec).
+RESUME_AFTER_PLAIN_STEPS = 8
+
+
 class AdaptiveSpec:
-    def __init__(self, slots: dict[int, SlotConfig], initial_steps: int) -> None:
-        """initial_steps: --speculative-num-steps; each slot starts at its candidate nearest to it."""
+    def __init__(self, slots: dict[int, SlotConfig], initial_steps: int,
+                 resume_after: int = RESUME_AFTER_PLAIN_STEPS) -> None:
+        """initial_steps: --speculative-num-steps; each slot starts at its candidate nearest to it.
+
+        resume_after: a batch whose steps drafted nothing (its slot's tier was 0) and that then moves into a slot
+        that drafts -- sequences finished or left, a batch hovering at a slot's edge -- keeps stepping without drafts
+        until it has stayed in drafting slots for this many steps. Drafting again first feeds the draft every token
+        committed meanwhile (a catch-up forward and a Propose round trip), and a static batch draining below the
+        no-draft slot ran its last steps that way: 8B SYNTHETIC chain through the services, batch 32 on an H100,
+        0.67x plain decoding (bench/results/session24). Probes inside one slot (a tier at 0 trying the next) are
+        not held back."""
         self.keys = sorted(slots)
+        self.resume_after = resume_after
+        self._plain_slot: int | None = None  # slot key of the last step, when it drafted nothing by its own tier
+        self._held = 0  # steps since then held back from a drafting slot
         self.slots: dict[int, _SlotState] = {}
         for key in self.keys:
             cands = slots[key].candidate_steps
@@ -109,12 +129,23 @@ class AdaptiveSpec:
 
     def steps_for(self, batch_size: int) -> int:
         """Draft steps (0 = a target-only step) for a step over batch_size sequences."""
-        return self.slots[self.slot_key(batch_size)].steps
+        key = self.slot_key(batch_size)
+        steps = self.slots[key].steps
+        if steps and self._plain_slot not in (None, key) and self._held < self.resume_after:
+            return 0  # just moved here from a slot that drafts nothing: not yet (resume_after)
+        return steps
 
     def observe(self, batch_size: int, steps_used: int, mean_accepted: float | None) -> None:
         """After a step: steps_used drafts per sequence were proposed (0 = none); mean_accepted = the mean number
         of them the target accepted, over the sequences that had a draft (None when none had one)."""
-        slot = self.slots[self.slot_key(batch_size)]
+        key = self.slot_key(batch_size)
+        slot = self.slots[key]
+        if steps_used > 0:
+            self._plain_slot, self._held = None, 0
+        elif slot.steps == 0:
+            self._plain_slot, self._held = key, 0
+        else:
+            self._held += 1  # held back by resume_after
         if steps_used != slot.steps:
             return  # the slot moved (or the step fell back to target-only): not this slot's measurement
         cfg = slot.config

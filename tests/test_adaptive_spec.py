@@ -19,9 +19,9 @@ def _spec(cands, initial, **kw):
     return AdaptiveSpec({1: SlotConfig(cands, warmup_batches=kw.pop("warmup", 2), update_interval=1, **kw)}, initial)
 
 
-def test_defaults_follow_sglang_tiers_capped_at_the_configured_steps():
+def test_defaults_follow_sglang_tiers_capped_at_the_configured_steps_and_stop_drafting_from_batch_32():
     spec = AdaptiveSpec(default_config(7), 7)
-    assert [spec.steps_for(b) for b in (1, 7, 8, 31, 32, 63, 64, 200)] == [7, 7, 3, 3, 1, 1, 0, 0]
+    assert [spec.steps_for(b) for b in (1, 7, 8, 31, 32, 63, 64, 200)] == [7, 7, 3, 3, 0, 0, 0, 0]
     assert default_config(3)[1].candidate_steps == [1, 3] and all_candidate_steps(default_config(3)) == [0, 1, 3]
 
 
@@ -61,6 +61,26 @@ def test_observations_of_another_tier_are_ignored():
     spec = _spec([1, 3], 3, warmup=0)
     spec.observe(1, 1, 0.0)  # a step that used 1 draft step while the slot is at 3 (it moved meanwhile)
     assert spec.slots[1].batches == 0 and spec.steps_for(1) == 3
+
+
+def test_a_batch_leaving_the_no_draft_slot_drafts_again_only_after_resume_after_steps():
+    spec = AdaptiveSpec({1: SlotConfig([3]), 32: SlotConfig([0])}, 3, resume_after=3)
+    assert spec.steps_for(5) == 3  # nothing stepped plainly yet: draft at once
+    spec.observe(5, 3, 2.0)
+    assert spec.steps_for(40) == 0
+    spec.observe(40, 0, None)
+    for _ in range(3):  # the batch drained below 32: held back three steps, then drafting again
+        assert spec.steps_for(20) == 0
+        spec.observe(20, 0, None)
+    assert spec.steps_for(20) == 3 and spec.slots[1].batches == 1  # held-back steps are not the slot's measurements
+    spec.observe(20, 3, 2.0)
+    spec.observe(40, 0, None)
+    for bs in (20, 20, 40, 20, 20):  # hovering at the edge: every return to the no-draft slot starts the wait afresh
+        assert spec.steps_for(bs) == 0
+        spec.observe(bs, 0, None)
+    assert spec.steps_for(20) == 0
+    spec.observe(20, 0, None)
+    assert spec.steps_for(20) == 3
 
 
 def test_config_file_errors_are_clear(tmp_path):
