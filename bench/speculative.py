@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
         r["verify_over_ar_step"] = r["t_verify_ms"] / ar_verify[r["batch_size"]] if ar_verify.get(
             r["batch_size"]) else None
     ar_full = {r["batch_size"]: r.get("tok_s_full_batch") for r in result["rows"] if r["config"] == "AR"}
-    for r in result["rows"]:  # the full-batch rate against plain decoding's (in-process runs)
+    for r in result["rows"]:  # the full-batch rate against plain decoding's
         full, ar = r.get("tok_s_full_batch"), ar_full.get(r["batch_size"])
         r["speedup_full_batch"] = full / ar if full and ar else None
     out_dir = Path(args.out_dir)

@@ -4,7 +4,8 @@ Per speculative config: one target service (its CUDA graphs captured for that ve
 service and two gateways over the same target — a plain one (the reference AR run, whose outputs become the oracle
 file the draft re-reads) and a speculative one. Requests are gRPC Generate streams, one per sequence of the batch, sent
 together. t_verify / t_draft are the services' own per-RPC model times (`tandem:forward_time_seconds` of Verify on the
-target and Propose on the draft, from their /metrics), differenced around each run.
+target and Propose on the draft, from their /metrics), differenced around each run. The full-batch rate counts the
+tokens streamed while every sequence was decoding (full_batch), as the in-process bench's full-batch steps.
 """
 from __future__ import annotations
 
@@ -55,14 +56,30 @@ def _metric(port: int, rpc: str) -> tuple[float, float, float]:
 
 def _generate(stub, prompt: list[int], max_new: int) -> dict:
     request = pb.GenerateRequest(token_ids=prompt, max_new_tokens=max_new, ignore_eos=True, skip_detokenize=True)
-    tokens, first, usage = [], None, None
+    tokens, chunks, usage = [], [], None
     for response in stub.Generate(request, timeout=600):
-        if first is None and response.token_ids:
-            first = time.perf_counter()
+        if response.token_ids:
+            chunks.append((time.perf_counter(), len(response.token_ids)))
         tokens.extend(response.token_ids)
         if response.HasField("usage"):
             usage = response.usage
-    return {"tokens": tokens, "first": first, "end": time.perf_counter(), "usage": usage}
+    return {"tokens": tokens, "first": chunks[0][0] if chunks else None, "end": time.perf_counter(),
+            "chunks": chunks, "usage": usage}
+
+
+def full_batch(outs: list[dict]) -> tuple[int, float]:
+    """(tokens, seconds) while every sequence of the batch was decoding: streamed after the last sequence's first
+    token (the gateway admits a batch's requests in waves) up to the first sequence's last one (from there a
+    static batch drains). The steady state of a server kept full, as the in-process bench's full-batch steps;
+    (0, 0.0) when the window is empty. Chunks of one Verify call reach every stream together, so the window holds
+    whole calls."""
+    if not outs or any(not o["chunks"] for o in outs):
+        return 0, 0.0
+    start = max(o["chunks"][0][0] for o in outs)
+    end = min(o["chunks"][-1][0] for o in outs)
+    if end <= start:
+        return 0, 0.0
+    return sum(n for o in outs for t, n in o["chunks"] if start < t <= end), end - start
 
 
 def _run_batch(stub, prompts: list[list[int]], max_new: int) -> dict:
@@ -72,7 +89,9 @@ def _run_batch(stub, prompts: list[list[int]], max_new: int) -> dict:
     tokens = sum(len(o["tokens"]) - 1 for o in outs)
     span = max(o["end"] for o in outs) - min(o["first"] for o in outs)
     steps = sum(o["usage"].verify_steps for o in outs)
-    return {"outs": outs, "tokens": tokens, "wall": span, "seq_steps": steps}
+    full_tokens, full_wall = full_batch(outs)
+    return {"outs": outs, "tokens": tokens, "wall": span, "seq_steps": steps, "full_tokens": full_tokens,
+            "full_wall": full_wall}
 
 
 class Stack:
@@ -230,9 +249,11 @@ def bench_services(args, configs) -> list[dict]:
                 row = _row(config.name, config, bs, sp, sp["tokens"] / sp["wall"], ar_tok_s, rate, stats)
                 row["ar_tok_s_same_stack"] = ar_tok_s
                 rows.append(row)
+                full = (f"{row['tok_s_full_batch']:,.1f} vs AR {ar_row['tok_s_full_batch']:,.1f}"
+                        if row["tok_s_full_batch"] and ar_row["tok_s_full_batch"] else "-")
                 print(f"[bs {bs}] {config.name}: tau {row['tau']:.2f} (expected {row['tau_expected']:.2f}), "
-                      f"{row['tok_s']:,.1f} tok/s vs AR {ar_tok_s:,.1f} ({row['speedup']:.2f}x), verify "
-                      f"{row['t_verify_ms']:.2f} ms + draft {row['t_draft_ms']:.2f} ms per step, efficiency "
+                      f"{row['tok_s']:,.1f} tok/s vs AR {ar_tok_s:,.1f} ({row['speedup']:.2f}x), full batch {full}, "
+                      f"verify {row['t_verify_ms']:.2f} ms + draft {row['t_draft_ms']:.2f} ms per step, efficiency "
                       f"{row['efficiency']:.3f}; per step: wall {row['wall_per_step_ms']:.2f} ms, handlers verify "
                       f"{row['t_verify_rpc_ms']:.2f} + propose {row['t_draft_rpc_ms']:.2f} ms; run-ahead (sequences) "
                       f"AR {ar['run_ahead']}, speculative {sp['run_ahead']}; Prefill calls (handler s) AR {ar['prefills']} "

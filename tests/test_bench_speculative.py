@@ -40,3 +40,18 @@ def test_speculative_bench_smoke_inprocess(tmp_path):
     assert chain["oracle"]["diverged_seqs"] == 0 and chain["oracle"]["unknown_seqs"] == 0
     assert chain["oracle"]["outputs_off_oracle"] == 0 and chain["oracle"]["calibration_runs"] == 0
     assert rows["AR"]["tau"] == 1.0 and rows["AR"]["speedup"] == 1.0
+
+
+def test_services_full_batch_window_counts_only_while_every_sequence_decodes():
+    path = BENCH.parent / "speculative_services.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative_services", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Three streams of chunk (arrival time, tokens): the third joins a wave later (first token at 2.0), the first
+    # finishes first (last token at 5.0); the window (2.0, 5.0] holds the calls at 3, 4 and 5.
+    outs = [{"chunks": [(1.0, 1), (2.0, 4), (3.0, 4), (4.0, 4), (5.0, 3)]},
+            {"chunks": [(1.0, 1), (2.0, 4), (3.0, 4), (4.0, 4), (5.0, 4), (6.0, 4), (7.0, 1)]},
+            {"chunks": [(2.0, 1), (3.0, 4), (4.0, 4), (5.0, 4), (6.0, 4), (7.0, 4)]}]
+    assert module.full_batch(outs) == (4 + 4 + 3 + 4 + 4 + 4 + 4 + 4 + 4, 3.0)
+    assert module.full_batch([{"chunks": [(1.0, 1)]}, {"chunks": [(2.0, 1)]}]) == (0, 0.0)  # never all decoding
+    assert module.full_batch([{"chunks": []}]) == (0, 0.0)
