@@ -7,7 +7,8 @@
 # (default: the list below STAGES=, in order). Next session (bench/results/session24/NOTES.md: one H100, no H200):
 # `ADAPTIVE_BS="1 8 16 32 64" adaptive spec8b_bs64 ar8b_bs1` (the adaptive tiers with no drafts from 32 and the
 # 8-step wait before drafting again, unmeasured; the batch-64 tree with the services' full-batch rate; #11's AR floor
-# on an H200); on two GPUs `overlap2` (#14).
+# on an H200), then `overlap8b_sep` (#14: pre-drafting at 8B shapes, draft process apart on one GPU); on two GPUs
+# `overlap2` (#14).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -382,11 +383,13 @@ for s in $STAGES; do
         echo "-- 8B services, $c"; grep -E "^\| (1|32) " "$R/overlap8b_$c/results.md" 2>/dev/null || tail -5 "$R/overlap8b_$c.log"
       done ;;
     overlap8b_sep)  # #14's one-GPU 8B target as the issue words it: draft and target as separate processes on one
-      # GPU (no --colocate), the default overlap schedule against --disable-overlap-schedule, batch 1 and 32
-      for c in default sequential; do
+      # GPU (no --colocate), the default overlap schedule against --disable-overlap-schedule, batch 1 and 32, then
+      # pre-drafting (--enable-overlap-drafting: measured only on the demo family on one GPU, 0.53-0.59x there)
+      for c in default sequential predraft; do
         extra=""; [ $c = sequential ] && extra="--disable-overlap-schedule"
+        gw="$extra"; [ $c = predraft ] && gw="--enable-overlap-drafting"
         timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 1 32 \
-          --configs 6/4/16@5 --max-new-tokens 128 --gateway-args="$extra" --target-args="$extra" \
+          --configs 6/4/16@5 --max-new-tokens 128 --gateway-args="$gw" --target-args="$extra" \
           --out-dir "$R/overlap8b_sep_$c" > "$R/overlap8b_sep_$c.log" 2>&1
         echo "-- 8B services, separate draft process, $c"
         grep -E "^\| (1|32) " "$R/overlap8b_sep_$c/results.md" 2>/dev/null || tail -5 "$R/overlap8b_sep_$c.log"

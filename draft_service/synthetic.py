@@ -328,6 +328,7 @@ class SyntheticProposer(Proposer):
         self.seed = seed
         self.head = head
         self._seq: dict[str, _SeqOracle] = {}
+        self._guessed: set[str] = set()  # sequences this Propose pre-drafts (tokens end with a guessed path)
         self._shapes: dict[SpecShape, _Shape] = {}
         self.stats = {"proposals": 0, "with_oracle": 0, "diverged_seqs": 0, "unknown_seqs": 0, "exhausted_seqs": 0}
 
@@ -383,18 +384,22 @@ class SyntheticProposer(Proposer):
         oracle's token where the keep stream keeps it, a wrong one otherwise). The head's compute follows in _draft
         (its catch-up runs over the guessed path and this token)."""
         guesses = {}
+        self._guessed = {inp.seq_id for inp in inputs}  # _draft follows; it clears them
         for inp in inputs:
             tokens, state = self._tokens[inp.seq_id], self._seq[inp.seq_id]
-            length, full = len(tokens), self._follows_oracle(inp.seq_id)
+            length, full = len(tokens), self._follows_oracle(inp.seq_id, committed=False)
             truth = full[length] if full is not None and length < len(full) else -1
             kept = truth >= 0 and self._kept(state, length)
             guesses[inp.seq_id] = truth if kept else _wrong(truth, _mix(length), state.key, self.vocab_size)
         return guesses
 
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
-        if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
-            self.head.propose(inputs)
-        return [self._tree(inp) for inp in inputs]
+        try:
+            if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
+                self.head.propose(inputs)
+            return [self._tree(inp) for inp in inputs]
+        finally:
+            self._guessed.clear()
 
     def _tree(self, inp: ProposeInput) -> DraftTree:
         """Plain Python over the cached shape: at batch 64 with 60-node trees this is ~1 ms, not tens."""
@@ -405,7 +410,7 @@ class SyntheticProposer(Proposer):
         tokens = self._tokens[inp.seq_id]
         state = self._seq[inp.seq_id]
         length = len(tokens)
-        full = self._follows_oracle(inp.seq_id)
+        full = self._follows_oracle(inp.seq_id, committed=inp.seq_id not in self._guessed)
         self.stats["proposals"] += 1
         n = 0
         if full is not None:
@@ -469,13 +474,17 @@ class SyntheticProposer(Proposer):
     def chain_abort(self, seq_ids: list[str]) -> None:
         self.head.chain_abort(seq_ids)
 
-    def _follows_oracle(self, seq_id: str) -> list[int] | None:
+    def _follows_oracle(self, seq_id: str, committed: bool = True) -> list[int] | None:
         """The sequence's oracle (prompt + continuation) while its tokens still follow it; None from the first token
-        that left it (numerics) or ran past its end."""
+        that left it (numerics) or ran past its end. committed=False: the tokens end with a pre-draft's guessed path
+        (still being verified), whose leaving the oracle only means this guess is wrong: the Propose after the
+        Verify rolls it back, and the oracle stays."""
         tokens, state = self._tokens[seq_id], self._seq[seq_id]
         length, full = len(tokens), state.full
         if full is not None and state.checked < length:
             if length > len(full) or tokens[state.checked:] != full[state.checked:length]:
+                if not committed:
+                    return None
                 # The target's tokens left the oracle's (numerics), or ran past it: wrong tokens from here.
                 self.stats["diverged_seqs" if length <= len(full) else "exhausted_seqs"] += 1
                 state.full = full = None
