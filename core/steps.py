@@ -103,7 +103,8 @@ class ProposeInput:
     features: Features | None = None
     # Pre-draft: append the proposer's greedy next token, draft from it. The new tokens then end with the guessed
     # path (tokens still being verified); a feature draft gets rows for the committed ones only (the first
-    # rows(features) new tokens) and stands in its own hidden states for the guessed path's.
+    # rows(features) new tokens) and stands in its own hidden states for the guessed path's. Inside a proposer the
+    # input _draft gets keeps the flag: its tokens then end with the guessed path and the appended token.
     append_guess: bool = False
     # The request's sampling (temperature/top-k/top-p; sampled requests only): a proposer doing p/q rejection
     # sampling (--speculative-use-rejection-sampling) samples its chain from it and returns the distributions.

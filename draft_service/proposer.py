@@ -189,7 +189,9 @@ class Proposer(abc.ABC):
             out.guessed_token_ids = [token]
             out.base_committed_len = len(tokens)
             start = inp.committed_len - len(inp.new_token_ids)  # where this Propose's new tokens began
-            kept.append(ProposeInput(inp.seq_id, len(tokens), tokens[start:], inp.spec, sampling=inp.sampling))
+            # still a pre-draft for _draft: its tokens end with the guessed path and the token just appended
+            kept.append(ProposeInput(inp.seq_id, len(tokens), tokens[start:], inp.spec, append_guess=True,
+                                     sampling=inp.sampling))
         return kept
 
     @property

@@ -328,7 +328,6 @@ class SyntheticProposer(Proposer):
         self.seed = seed
         self.head = head
         self._seq: dict[str, _SeqOracle] = {}
-        self._guessed: set[str] = set()  # sequences this Propose pre-drafts (tokens end with a guessed path)
         self._shapes: dict[SpecShape, _Shape] = {}
         self.stats = {"proposals": 0, "with_oracle": 0, "diverged_seqs": 0, "unknown_seqs": 0, "exhausted_seqs": 0}
 
@@ -384,7 +383,6 @@ class SyntheticProposer(Proposer):
         oracle's token where the keep stream keeps it, a wrong one otherwise). The head's compute follows in _draft
         (its catch-up runs over the guessed path and this token)."""
         guesses = {}
-        self._guessed = {inp.seq_id for inp in inputs}  # _draft follows; it clears them
         for inp in inputs:
             tokens, state = self._tokens[inp.seq_id], self._seq[inp.seq_id]
             length, full = len(tokens), self._follows_oracle(inp.seq_id, committed=False)
@@ -394,12 +392,9 @@ class SyntheticProposer(Proposer):
         return guesses
 
     def _draft(self, inputs: list[ProposeInput]) -> list[DraftTree]:
-        try:
-            if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
-                self.head.propose(inputs)
-            return [self._tree(inp) for inp in inputs]
-        finally:
-            self._guessed.clear()
+        if self.head is not None:  # the head drafts from the same committed tokens; its trees are discarded
+            self.head.propose(inputs)
+        return [self._tree(inp) for inp in inputs]
 
     def _tree(self, inp: ProposeInput) -> DraftTree:
         """Plain Python over the cached shape: at batch 64 with 60-node trees this is ~1 ms, not tens."""
@@ -410,7 +405,7 @@ class SyntheticProposer(Proposer):
         tokens = self._tokens[inp.seq_id]
         state = self._seq[inp.seq_id]
         length = len(tokens)
-        full = self._follows_oracle(inp.seq_id, committed=inp.seq_id not in self._guessed)
+        full = self._follows_oracle(inp.seq_id, committed=not inp.append_guess)
         self.stats["proposals"] += 1
         n = 0
         if full is not None:
