@@ -185,7 +185,7 @@ def run_config(name: str, flags: list[str], prompts: list[str] | list[list[int]]
             **({"profile": profiled} if args.profile_dir else {}), "outputs": outputs}
 
 
-def profile_prompt(http_port: int, generate) -> list[dict]:
+def profile_prompt(http_port: int, generate, profile_id: str = "accept") -> list[dict]:
     """One more prompt under /start_profile ... /stop_profile (after the timed ones, which ran unprofiled): every
     process of the stack writes its trace, Python profile and summary; returns the processes' entries, each with its
     summary's busy line."""
@@ -197,7 +197,7 @@ def profile_prompt(http_port: int, generate) -> list[dict]:
         with urllib.request.urlopen(request, timeout=300) as r:
             return json.loads(r.read())
 
-    post("/start_profile", {"profile_id": "accept"})
+    post("/start_profile", {"profile_id": profile_id})
     generate()
     processes = post("/stop_profile", {})["processes"]
     for p in processes:

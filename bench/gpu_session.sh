@@ -314,9 +314,13 @@ for s in $STAGES; do
       grep -E "^  [A-Z].*tok/s|^\| " "$R/accept_dflash.log" | tail -10 ;;
     spec8b_bs64)  # #11's batch-64 target (tree 6/4/16 >= 1.2x AR) with both timed services runs on a primed prefix
       # cache (session 23: the AR run alone paid its admission waves' prefills), then the in-process reference
-      timeout 150 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 64 \
-        --configs 6/4/16@5 --max-new-tokens 128 --colocate --out-dir "$R/spec8b64_services" > "$R/spec8b64_services.log" 2>&1
+      # (the speculative batch once more under the profiler: where the services' step goes next to in-process)
+      timeout 190 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --batch-sizes 64 \
+        --configs 6/4/16@5 --max-new-tokens 128 --colocate --out-dir "$R/spec8b64_services" \
+        --profile-dir "$R/spec8b64_prof" > "$R/spec8b64_services.log" 2>&1
       grep -E "^\[bs" "$R/spec8b64_services.log"; grep -E "^\| 64" "$R/spec8b64_services/results.md" 2>/dev/null
+      grep -h "^Python busy" "$R"/spec8b64_prof/*.summary.txt 2>/dev/null
+      find "$R/spec8b64_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null
       timeout 150 python3 bench/speculative.py --device cuda:0 --margin-weights --batch-sizes 64 --configs 6/4/16@5 \
         --static-verify on --out-dir "$R/spec8b64_inproc" > "$R/spec8b64_inproc.log" 2>&1
       grep -E "^\| 64" "$R/spec8b64_inproc/results.md" 2>/dev/null || tail -5 "$R/spec8b64_inproc.log" ;;
@@ -456,9 +460,13 @@ for s in $STAGES; do
     adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size;
       # the draft in the target's process (serve's default on one device: each Verify drafts the tier's next chain).
       # ADAPTIVE_BS: the batch sizes (session 15 measured 1 8 32 64 before the bench primed both runs' prefixes)
-      timeout 300 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive --colocate \
-        --batch-sizes ${ADAPTIVE_BS:-1 8 32 64} --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" > "$R/spec_adaptive.log" 2>&1
-      cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log" ;;
+      # The batch-32 run once more under the profiler (session 24: 14.87 ms of Propose handler per step there)
+      timeout 330 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive --colocate \
+        --batch-sizes ${ADAPTIVE_BS:-1 8 32 64} --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" \
+        --profile-dir "$R/adaptive_prof" --profile-batch-sizes 32 > "$R/spec_adaptive.log" 2>&1
+      cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log"
+      grep -h "^Python busy" "$R"/adaptive_prof/*.summary.txt 2>/dev/null
+      find "$R/adaptive_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
     mtp)  # one MTP layer for the demo target (a copy), trained here, then NEXTN through tandem serve vs plain decoding
       rm -rf /tmp/demo-mtp && cp -r $M /tmp/demo-mtp
       timeout 360 python3 -m tools.train_draft --kind mtp --target-model-path $M --corpus /usr/lib/python3.12 \

@@ -380,6 +380,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--calibration-runs", type=int, default=1,
                    help="when speculative outputs leave the AR oracle (numerics of wide verify vs decode), re-run up "
                         "to this many times with those outputs as the oracle; the last run is reported")
+    p.add_argument("--profile-dir", default=None,
+                   help="--mode services: profile one more speculative run per batch size into DIR (unprofiled "
+                        "timings; see speculative_services.py)")
+    p.add_argument("--profile-batch-sizes", type=int, nargs="+", default=None,
+                   help="the batch sizes --profile-dir profiles (default: every one)")
     p.add_argument("--out-dir", default="bench/results/speculative")
     args = p.parse_args(argv)
     configs = args.configs or [SpecConfig.parse("5/1/6@3.5"), SpecConfig.parse("8/8/60@6")]

@@ -6,6 +6,10 @@ file the draft re-reads) and a speculative one. Requests are gRPC Generate strea
 together. t_verify / t_draft are the services' own per-RPC model times (`tandem:forward_time_seconds` of Verify on the
 target and Propose on the draft, from their /metrics), differenced around each run. The full-batch rate counts the
 tokens streamed while every sequence was decoding (full_batch), as the in-process bench's full-batch steps.
+
+--profile-dir DIR: after the timed speculative run of each batch size in --profile-batch-sizes, the same batch once
+more under the speculative gateway's /start_profile ... /stop_profile: the target (and the draft process, if apart)
+and the gateway write a torch trace, a Python profile and a summary into DIR; the timed numbers are unprofiled.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_decode import free_port, model_dir  # noqa: E402
+
+from bench.accept import profile_prompt  # noqa: E402
 
 from draft_service.synthetic import Oracle  # noqa: E402
 from protos.tandem.v1 import tandem_pb2 as pb  # noqa: E402
@@ -135,6 +141,9 @@ class Stack:
             draft.append("--disable-static-draft-step")
         gateway = ["gateway", "--model-path", str(path), "--target-address", f"127.0.0.1:{p['target']}",
                    "--max-running-requests", str(max_bs), "--log-level", "warning"]
+        if getattr(args, "profile_dir", None):  # every process can profile (started by the gateway's /start_profile)
+            profile = ["--profile-dir", str(Path(args.profile_dir).resolve())]
+            target, draft, gateway = target + profile, draft + profile, gateway + profile
         self.colocate = args.colocate
         if args.colocate:  # the draft in the target's process (--colocate-draft): no draft process, one call a step
             target += ["--colocate-draft", *synthetic]
@@ -248,6 +257,11 @@ def bench_services(args, configs) -> list[dict]:
                          "calibration_runs": run, "outputs_off_oracle": len(mismatched)}
                 row = _row(config.name, config, bs, sp, sp["tokens"] / sp["wall"], ar_tok_s, rate, stats)
                 row["ar_tok_s_same_stack"] = ar_tok_s
+                if args.profile_dir and bs in (args.profile_batch_sizes or args.batch_sizes):
+                    row["profile"] = profile_prompt(
+                        stack.ports["spec_http"],
+                        lambda: _run_batch(stack.stubs["spec"], prompts, args.max_new_tokens),
+                        re.sub(r"[^A-Za-z0-9_-]", "-", f"{config.name}-bs{bs}"))
                 rows.append(row)
                 full = (f"{row['tok_s_full_batch']:,.1f} vs AR {ar_row['tok_s_full_batch']:,.1f}"
                         if row["tok_s_full_batch"] and ar_row["tok_s_full_batch"] else "-")
