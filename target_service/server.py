@@ -159,15 +159,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         same plain decode steps). Only where that call is known exactly and its outcome does not depend on when it
         runs: greedy sequences (a sampled token drawn early would use the sampler's randomness out of turn; logprobs
         and features are what the call itself would compute), every output running, every step either a plain
-        decode or a tree drafted here. It runs on the
-        worker thread, so the event loop stays free to send this answer and take the next call."""
+        decode or a tree drafted here. A sequence that finished in this call is left out (the gateway does not send
+        it again): one finishing no longer stops the rest of a batch from running ahead (a batch drains, and in a
+        server under load some sequence finishes in most calls). It runs on the worker thread, so the event loop
+        stays free to send this answer and take the next call."""
         if not self.run_ahead or not inputs or self._ahead is not None:
             return
         if self.drafter is not None and self.drafter.proposer.algorithm == "UNO":
             return  # UNO's verify consumes a clean root its self-draft left pending: not run ahead
         nexts: list[VerifyInput] = []
         for inp, out in zip(inputs, outputs):
-            if out.status != Status.OK or out.finish_reason is not None or not out.token_ids or not inp.sampling.is_greedy:
+            if out.status == Status.OK and out.finish_reason is not None:
+                continue
+            if out.status != Status.OK or not out.token_ids or not inp.sampling.is_greedy:
                 return
             if inp.propose_next is not None:
                 if out.proposal is None or out.proposal.status != Status.OK or not out.proposal.tree.token_ids:
@@ -179,6 +183,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                 tree = DraftTree([], [])
             nexts.append(dataclasses.replace(inp, committed_len=inp.committed_len + len(out.token_ids),
                                              root_token_id=out.token_ids[-1], tree=tree))
+        if not nexts:
+            return
         task = asyncio.ensure_future(self.worker.run(self._steps, nexts))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure no call takes is not an error
         self._ahead = ({inp.seq_id: inp for inp in nexts}, task)

@@ -100,6 +100,43 @@ async def test_a_miss_rolls_back_target_and_draft_and_hits_count_per_sequence(mo
         await _assert_no_kv_leak(scheduler)
 
 
+async def test_a_sequence_finishing_in_a_call_does_not_stop_the_others_running_ahead(models):
+    """Two sequences in one call, one of them finishing there (its token budget): the pod runs the other's next call
+    ahead (before, one finished sequence stopped the whole batch's run-ahead: a draining batch, and a server whose
+    batch loses a sequence in most calls, ran none), and that call is a hit whose output continues HF's."""
+    from core.steps import PrefillInput, SpecShape, VerifyInput
+    from core.types import SamplingParams, StopRule
+
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, run_ahead=True) as scheduler:
+        servicer = scheduler.test_servers[0].servicer
+        target = scheduler.targets.clients[0]
+        shape, greedy = SpecShape(3, 1, 4), SamplingParams(temperature=0.0)
+        long_p, short_p = prompts(hf.config.vocab_size)[:2]
+        stops = {"x": StopRule(max_new_tokens=40, prompt_len=len(long_p)),
+                 "y": StopRule(max_new_tokens=2, prompt_len=len(short_p))}
+        pres = await target.prefill([PrefillInput(seq_id, list(p), True, greedy, stops[seq_id], True,
+                                                  prefill_draft=True, propose_next=shape)
+                                     for seq_id, p in (("x", long_p), ("y", short_p))])
+        committed = {seq_id: [*p, *pre.token_ids] for (seq_id, p), pre in zip((("x", long_p), ("y", short_p)), pres)}
+        calls = [VerifyInput(seq_id, len(committed[seq_id]), committed[seq_id][-1], pre.proposal.tree, greedy,
+                             stops[seq_id], propose_next=shape) for seq_id, pre in zip(("x", "y"), pres)]
+        out_x, out_y = await target.verify(calls)
+        assert out_y.finish_reason is not None and out_x.finish_reason is None
+        committed["x"] += out_x.token_ids
+        hits = servicer.run_ahead_counts["hit"]
+        nxt = VerifyInput("x", len(committed["x"]), committed["x"][-1], out_x.proposal.tree, greedy, stops["x"],
+                          propose_next=shape)
+        [out2] = await target.verify([nxt])
+        assert servicer.run_ahead_counts["hit"] == hits + 1
+        committed["x"] += out2.token_ids
+        assert committed["x"][len(long_p):] == hf_greedy(hf, long_p, len(committed["x"]) - len(long_p))
+        await target.release(["x", "y"])
+        await scheduler.drafts.clients[0].release(["x", "y"])
+        await _assert_no_kv_leak(scheduler)
+
+
 async def test_sampled_requests_never_run_ahead_and_logprob_requests_do_with_the_same_logprobs(models):
     """Sampled requests are not run ahead (their draws must stay where plain decoding makes them): seeded sampled
     output equals the stack's without run-ahead. Greedy requests with logprobs are, and their tokens and logprobs
