@@ -237,8 +237,10 @@ class TargetClient(_Client):
                            proposal=_proposal(r.proposal) if r.HasField("proposal") else None)
                 for r in response.results]
 
-    async def verify(self, items: list[VerifyInput]) -> list[StepOutput]:
-        request = pb.VerifyRequest(seqs=[
+    async def verify(self, items: list[VerifyInput], batch_may_grow: bool = False) -> list[StepOutput]:
+        """batch_may_grow: requests wait for admission, so the next call may add sequences (the pod then does not
+        run this batch ahead)."""
+        request = pb.VerifyRequest(batch_may_grow=batch_may_grow, seqs=[
             pb.VerifySeq(seq_id=i.seq_id, committed_len=i.committed_len, root_token_id=i.root_token_id,
                          tree=pb.DraftTree(token_ids=i.tree.token_ids, parents=i.tree.parents,
                                            draft_probs=_features_to_pb(i.tree.draft_probs)),

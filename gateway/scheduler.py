@@ -613,7 +613,7 @@ class Scheduler:
                                      seq.stop, self.spec.needs_features and propose_next is None, steps,
                                      _logprobs(seq), propose_next))
         try:
-            results = await self.metrics.timed("verify", pod.verify(items))
+            results = await self.metrics.timed("verify", pod.verify(items, batch_may_grow=bool(self._waiting)))
         except ValueError as exc:  # INVALID_ARGUMENT for the call: find the sequence(s) it is about, fail only those
             if len(seqs) > 1:
                 await asyncio.gather(*(self._verify_on(pod, [seq], trees, next_shape) for seq in seqs))

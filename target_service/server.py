@@ -111,7 +111,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             ahead.update((out.seq_id, out) for out in ran)
             forward_ms += ms
         verified = [ahead[inp.seq_id] for inp in inputs]
-        self._start_ahead(inputs, verified)
+        if not request.batch_may_grow:
+            self._start_ahead(inputs, verified)
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
         outputs = convert.merge(slots, verified)
@@ -161,8 +162,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         and features are what the call itself would compute), every output running, every step either a plain
         decode or a tree drafted here. A sequence that finished in this call is left out (the gateway does not send
         it again): one finishing no longer stops the rest of a batch from running ahead (a batch drains, and in a
-        server under load some sequence finishes in most calls). It runs on the worker thread, so the event loop
-        stays free to send this answer and take the next call."""
+        server under load some sequence finishes in most calls). Not started when the gateway says the batch may grow
+        (requests wait for admission): a sequence it adds would need a forward of its own beside the run-ahead's,
+        costlier at a large batch than the round trip the run-ahead hides. It runs on the worker thread, so the
+        event loop stays free to send this answer and take the next call."""
         if not self.run_ahead or not inputs or self._ahead is not None:
             return
         if self.drafter is not None and self.drafter.proposer.algorithm == "UNO":

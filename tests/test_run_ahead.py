@@ -103,7 +103,8 @@ async def test_a_miss_rolls_back_target_and_draft_and_hits_count_per_sequence(mo
 async def test_a_sequence_finishing_in_a_call_does_not_stop_the_others_running_ahead(models):
     """Two sequences in one call, one of them finishing there (its token budget): the pod runs the other's next call
     ahead (before, one finished sequence stopped the whole batch's run-ahead: a draining batch, and a server whose
-    batch loses a sequence in most calls, ran none), and that call is a hit whose output continues HF's."""
+    batch loses a sequence in most calls, ran none), and that call is a hit whose output continues HF's. A call the
+    gateway marks batch_may_grow (requests wait for admission) is not run ahead."""
     from core.steps import PrefillInput, SpecShape, VerifyInput
     from core.types import SamplingParams, StopRule
 
@@ -128,12 +129,49 @@ async def test_a_sequence_finishing_in_a_call_does_not_stop_the_others_running_a
         hits = servicer.run_ahead_counts["hit"]
         nxt = VerifyInput("x", len(committed["x"]), committed["x"][-1], out_x.proposal.tree, greedy, stops["x"],
                           propose_next=shape)
-        [out2] = await target.verify([nxt])
+        [out2] = await target.verify([nxt], batch_may_grow=True)
         assert servicer.run_ahead_counts["hit"] == hits + 1
         committed["x"] += out2.token_ids
+        # requests were waiting at the gateway when it sent that call: the pod did not run ahead after it
+        counts = dict(servicer.run_ahead_counts)
+        nxt = VerifyInput("x", len(committed["x"]), committed["x"][-1], out2.proposal.tree, greedy, stops["x"],
+                          propose_next=shape)
+        [out3] = await target.verify([nxt])
+        assert servicer.run_ahead_counts == counts
+        committed["x"] += out3.token_ids
         assert committed["x"][len(long_p):] == hf_greedy(hf, long_p, len(committed["x"]) - len(long_p))
         await target.release(["x", "y"])
         await scheduler.drafts.clients[0].release(["x", "y"])
+        await _assert_no_kv_leak(scheduler)
+
+
+async def test_the_gateway_marks_calls_made_while_requests_wait_for_admission(models):
+    """One running request at a time (max_running_requests 1), two sent together: the first one's calls go out
+    while the second waits (batch_may_grow: the pod does not run them ahead), the second's with nobody waiting (run
+    ahead: hits). Both outputs equal HF greedy."""
+    import dataclasses
+
+    path, _, hf = models
+    async with local_stack(path, algorithm="EAGLE3", draft_path=_draft(models, "EAGLE3"), num_steps=3, topk=1,
+                           num_draft_tokens=4, colocate=True, run_ahead=True) as scheduler:
+        scheduler.config = dataclasses.replace(scheduler.config, max_running_requests=1)
+        target, flags = scheduler.targets.clients[0], []
+        verify = target.verify
+
+        async def recorded(items, batch_may_grow=False):
+            flags.append((items[0].seq_id, batch_may_grow))
+            return await verify(items, batch_may_grow=batch_may_grow)
+
+        target.verify = recorded
+        cases = prompts(hf.config.vocab_size)[:2]
+        results = await asyncio.gather(*(generate_ids(scheduler, p, 20, request_id=f"r{i}")
+                                         for i, p in enumerate(cases)))
+        for prompt, (got, _, _) in zip(cases, results):
+            assert got == hf_greedy(hf, prompt, 20)
+        first, second = flags[0][0], next(seq for seq, _ in flags if seq != flags[0][0])
+        assert all(grow for seq, grow in flags if seq == first)
+        assert not any(grow for seq, grow in flags if seq == second)
+        assert scheduler.test_servers[0].servicer.run_ahead_counts["hit"] > 0
         await _assert_no_kv_leak(scheduler)
 
 

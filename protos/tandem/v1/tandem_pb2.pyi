@@ -238,10 +238,12 @@ class VerifySeq(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., root_token_id: _Optional[int] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., num_decode_steps: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., propose_next: _Optional[_Union[SpecParams, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("seqs",)
+    __slots__ = ("seqs", "batch_may_grow")
     SEQS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MAY_GROW_FIELD_NUMBER: _ClassVar[int]
     seqs: _containers.RepeatedCompositeFieldContainer[VerifySeq]
-    def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ...) -> None: ...
+    batch_may_grow: bool
+    def __init__(self, seqs: _Optional[_Iterable[_Union[VerifySeq, _Mapping]]] = ..., batch_may_grow: _Optional[bool] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("seq_id", "status", "token_ids", "num_accepted_drafts", "num_draft_tokens", "finish_reason", "features", "error", "num_steps", "logprobs", "proposal")
