@@ -56,8 +56,8 @@ def _count_feature_rows_on_the_wire(scheduler) -> list[int]:
     for name in ("prefill", "verify"):
         call = getattr(target, name)
 
-        async def counted(items, call=call):
-            outs = await call(items)
+        async def counted(items, call=call, **kwargs):
+            outs = await call(items, **kwargs)
             rows[0] += sum(o.features.num_rows for o in outs if o.features is not None)
             return outs
 
@@ -69,9 +69,9 @@ def _count_calls(obj, name: str) -> list[int]:
     """How many times the async method `name` of `obj` is called from now on."""
     calls, method = [0], getattr(obj, name)
 
-    async def counted(*args):
+    async def counted(*args, **kwargs):
         calls[0] += 1
-        return await method(*args)
+        return await method(*args, **kwargs)
 
     setattr(obj, name, counted)
     return calls
