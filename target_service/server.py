@@ -159,7 +159,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         next: the same sequences, each from its new committed end, verifying the tree this pod just drafted (or the
         same plain decode steps). Only where that call is known exactly and its outcome does not depend on when it
         runs: greedy sequences (a sampled token drawn early would use the sampler's randomness out of turn; logprobs
-        and features are what the call itself would compute), every output running, every step either a plain
+        and features are what the call itself would compute), every output served, every step either a plain
         decode or a tree drafted here. A sequence that finished in this call is left out (the gateway does not send
         it again): one finishing no longer stops the rest of a batch from running ahead (a batch drains, and in a
         server under load some sequence finishes in most calls). Not started when the gateway says the batch may grow
