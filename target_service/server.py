@@ -111,8 +111,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             ahead.update((out.seq_id, out) for out in ran)
             forward_ms += ms
         verified = [ahead[inp.seq_id] for inp in inputs]
-        if not request.batch_may_grow:
-            self._start_ahead(inputs, verified)
+        self._start_ahead(inputs, verified, request.batch_may_grow)
         if self.metrics is not None:
             self.metrics.observe_forward("Verify", forward_ms / 1e3, len(inputs))
         outputs = convert.merge(slots, verified)
@@ -154,7 +153,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return verified, forward_ms
 
     # ---- run-ahead (--enable-run-ahead) --------------------------------------------------------------------------
-    def _start_ahead(self, inputs: list[VerifyInput], outputs: list[StepOutput]) -> None:
+    def _start_ahead(self, inputs: list[VerifyInput], outputs: list[StepOutput], batch_may_grow: bool) -> None:
         """While this call's answer travels and the gateway works on it, run the call that will most likely come
         next: the same sequences, each from its new committed end, verifying the tree this pod just drafted (or the
         same plain decode steps). Only where that call is known exactly and its outcome does not depend on when it
@@ -166,7 +165,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         (requests wait for admission): a sequence it adds would need a forward of its own beside the run-ahead's,
         costlier at a large batch than the round trip the run-ahead hides. It runs on the worker thread, so the
         event loop stays free to send this answer and take the next call."""
-        if not self.run_ahead or not inputs or self._ahead is not None:
+        if not self.run_ahead or not inputs or self._ahead is not None or batch_may_grow:
             return
         if self.drafter is not None and self.drafter.proposer.algorithm == "UNO":
             return  # UNO's verify consumes a clean root its self-draft left pending: not run ahead
