@@ -83,6 +83,39 @@ async def test_through_the_services_greedy_equals_hf_and_steps_count_forwards(ti
     assert usage.verify_steps + 1 == usage.completion_tokens  # tau 1: forwards counted, not calls
 
 
+async def test_requests_arriving_during_a_prefill_join_the_batch_before_it_steps(tiny):
+    """Prefill first: a request that arrives while the first one's Prefill is in flight is prefilled before the batch
+    steps, so the first Verify call (4 decode steps) holds both — not the second a whole call behind (a burst split
+    into admission waves). Both outputs equal each one run alone."""
+    import asyncio
+
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1]
+    async with local_stack(tiny, num_continuous_decode_steps=4) as scheduler:
+        alone = [(await generate_ids(scheduler, p, 12, request_id=f"alone{i}"))[0] for i, p in enumerate((PROMPT, other))]
+        target, calls, late = scheduler.targets.clients[0], [], []
+        prefill, verify = target.prefill, target.verify
+
+        async def slow_prefill(items):
+            if not late:  # the second request arrives during the first Prefill
+                late.append(asyncio.ensure_future(generate_ids(scheduler, other, 12, request_id="b")))
+                while not scheduler._waiting:
+                    await asyncio.sleep(0.001)
+            calls.append(("prefill", sorted(i.seq_id for i in items)))
+            return await prefill(items)
+
+        async def recorded(items, **kw):
+            calls.append(("verify", sorted(i.seq_id for i in items)))
+            return await verify(items, **kw)
+
+        target.prefill, target.verify = slow_prefill, recorded
+        first = await generate_ids(scheduler, PROMPT, 12, request_id="a")
+        second = await late[0]
+    assert [first[0], second[0]] == alone
+    kinds = [kind for kind, _ in calls]
+    assert kinds[:2] == ["prefill", "prefill"], calls  # both admitted before any Verify
+    assert len(calls[2][1]) == 2, calls  # the first Verify steps both
+
+
 async def test_bad_step_counts_are_refused(tiny):
     from core.types import StopRule
     from core.steps import VerifyInput
