@@ -132,7 +132,7 @@ async def local_stack(target_path: Path, *, algorithm: str = "NONE", draft_path:
                           max_context_len=info.max_context_len, vocab_size=info.vocab_size,
                           eos_token_ids=list(eos_token_ids),
                           spec=SpecConfig(algorithm, num_steps, topk, num_draft_tokens),
-                          config=SchedulerConfig(max_running_requests=16, request_timeout_s=120,
+                          config=SchedulerConfig(max_running_requests=16, request_timeout_s=300,
                                                  enable_overlap_drafting=enable_overlap_drafting,
                                                  num_continuous_decode_steps=num_continuous_decode_steps,
                                                  speculative_steps_per_call=num_continuous_decode_steps,
