@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "speculative.py"
 
 
@@ -29,8 +31,9 @@ def test_speculative_bench_smoke_inprocess(tmp_path):
     assert set(rows) == {"AR", "chain 3/1/4"}
     for row in rows.values():
         for field in ("batch_size", "tau", "tau_expected", "tok_s", "speedup", "t_verify_ms", "t_draft_ms",
-                      "efficiency", "accept_rate", "tokens", "target_steps", "verify_over_ar_step"):
+                      "efficiency", "accept_rate", "tokens", "target_steps", "verify_over_ar_step", "speedup_bound"):
             assert row[field] is not None, field
+        assert row["speedup_bound"] == pytest.approx(row["tau"] / row["verify_over_ar_step"])
         assert row["batch_size"] == 2 and row["tok_s"] > 0 and row["t_verify_ms"] > 0
     chain = rows["chain 3/1/4"]
     # tau 4 = a chain of 3 accepted in full: the rate is 1 and every drafted oracle token is accepted (the last step
