@@ -459,10 +459,11 @@ for s in $STAGES; do
     adaptive)  # 8B SYNTHETIC chain through the services with --speculative-adaptive: >= 0.95x AR at every batch size;
       # the draft in the target's process (serve's default on one device: each Verify drafts the tier's next chain).
       # ADAPTIVE_BS: the batch sizes (session 15 measured 1 8 32 64 before the bench primed both runs' prefixes)
-      # The batch-32 run once more under the profiler (session 24: 14.87 ms of Propose handler per step there)
+      # The batch-32 run once more under the profiler (session 24: 14.87 ms of Propose handler per step there;
+      # ADAPTIVE_PROFILE_BS picks another: session 27's batch 64 at 0.63x)
       timeout 330 python3 bench/speculative.py --mode services --device cuda:0 --margin-weights --adaptive --colocate \
         --batch-sizes ${ADAPTIVE_BS:-1 8 32 64} --configs 5/1/6@3.5 --out-dir "$R/spec_adaptive" \
-        --profile-dir "$R/adaptive_prof" --profile-batch-sizes 32 > "$R/spec_adaptive.log" 2>&1
+        --profile-dir "$R/adaptive_prof" --profile-batch-sizes ${ADAPTIVE_PROFILE_BS:-32} > "$R/spec_adaptive.log" 2>&1
       cat "$R/spec_adaptive/results.md" 2>/dev/null || tail -20 "$R/spec_adaptive.log"
       grep -h "^Python busy" "$R"/adaptive_prof/*.summary.txt 2>/dev/null
       find "$R/adaptive_prof" -name "*.trace.json.gz" -size +6000k -delete 2>/dev/null ;;
