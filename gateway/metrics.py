@@ -81,6 +81,7 @@ class GatewayMetrics:
                                            "excluded)", registry=r)
         self.accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Drafts whose accepted path "
                                         "reaches depth position+1", ["position"], registry=r)
+        self._per_pos: list = []  # accepted_per_pos children by position
         self.accept_length = Histogram(P + "spec_decode_accept_length", "Tokens committed per verify step, bonus "
                                        "included", registry=r, buckets=ACCEPT_LENGTH_BUCKETS)
         self.num_target_only_steps = Counter(P + "spec_decode_num_target_only_steps", "Sequence steps verified "
@@ -184,17 +185,35 @@ class GatewayMetrics:
                 "ttft_ms": None if live.first_token is None else round((live.first_token - live.start) * 1e3, 2)}
 
     # ------------------------------------------------------------------ the loop
-    def on_verify(self, num_accepted_drafts: int, num_draft_tokens: int) -> None:
-        """One sequence's verify result: position i of the accepted path was accepted iff num_accepted > i."""
+    def on_verify(self, num_accepted_drafts: int, num_draft_tokens: int, num_steps: int = 1) -> None:
+        """One sequence's verify result, covering num_steps target steps (a Verify call runs several: continuous
+        decode steps, or the speculative steps of a draft in the target's process): each step counts as one draft
+        (or one target-only step), so 1 + accepted / drafts stays the mean accept length per step. Position i of a
+        step's accepted path was accepted iff that step accepted more than i drafts; a result of several steps
+        reports only their sum, so its steps count as paths as even as that sum allows (exact for one step, and
+        for the totals and the mean always)."""
+        num_steps = max(1, num_steps)
         if num_draft_tokens <= 0:
-            self.num_target_only_steps.inc()
+            self.num_target_only_steps.inc(num_steps)
             return
-        self.num_drafts.inc()
+        self.num_drafts.inc(num_steps)
         self.num_draft_tokens.inc(num_draft_tokens)
         self.num_accepted_tokens.inc(num_accepted_drafts)
-        for position in range(num_accepted_drafts):
-            self.accepted_per_pos.labels(str(position)).inc()
-        self.accept_length.observe(num_accepted_drafts + 1)
+        depth, longer = divmod(num_accepted_drafts, num_steps)  # `longer` steps accepted depth + 1 drafts
+        for position in range(depth):
+            self._accepted_at(position).inc(num_steps)
+        if longer:
+            self._accepted_at(depth).inc(longer)
+        for length, steps in ((depth + 1, num_steps - longer), (depth + 2, longer)):
+            for _ in range(steps):
+                self.accept_length.observe(length)
+
+    def _accepted_at(self, position: int):
+        """The per-position counter's child for `position` (labels() looked up once: a batch-64 call counts
+        hundreds of positions)."""
+        while len(self._per_pos) <= position:
+            self._per_pos.append(self.accepted_per_pos.labels(str(len(self._per_pos))))
+        return self._per_pos[position]
 
     async def timed(self, what: str, work: Awaitable[T]) -> T:
         """Await `work` and observe its wall time in the `what` histogram (draft, verify, prefill, step)."""

@@ -649,7 +649,7 @@ class Scheduler:
                 seq.fail(GatewayError(f"target rejected the step: {result.error}"))
             else:
                 seq.record_step(result.num_accepted_drafts, result.num_draft_tokens, result.num_steps)
-                self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens)
+                self.metrics.on_verify(result.num_accepted_drafts, result.num_draft_tokens, result.num_steps)
                 if result.features is not None and seq.features.end == len(seq.committed) - 1:  # (else a gap: the
                     seq.features.append(result.features)  # rows would land at the wrong positions)
                 seq.commit(result.token_ids, result.finish_reason, result.logprobs, defer=self.config.defer_delivery)

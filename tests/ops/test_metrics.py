@@ -33,6 +33,36 @@ def test_per_position_counts_follow_the_accepted_path_length():
     assert got["tandem:spec_decode_accept_length_sum"] == 7 + 4  # bonus token counted once per draft
 
 
+def test_a_result_of_several_steps_counts_each_step():
+    """A Verify call runs several steps (continuous decode steps; a co-located draft's chained speculative steps):
+    every step is a draft or a target-only step, so 1 + accepted / drafts stays the mean accept length per step."""
+    m = GatewayMetrics()
+    m.on_verify(10, 4 * 6, num_steps=4)  # four 6-token chains, 10 drafts accepted in all: paths of 3, 3, 2, 2
+    m.on_verify(0, 0, num_steps=4)  # four plain decode steps
+    got = parse_metrics(m.render().decode())
+    assert got["tandem:spec_decode_num_drafts_total"] == 4
+    assert got["tandem:spec_decode_num_draft_tokens_total"] == 24
+    assert got["tandem:spec_decode_num_accepted_tokens_total"] == 10
+    assert [got.get(f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}', 0)
+            for i in range(4)] == [4, 4, 2, 0]
+    assert got["tandem:spec_decode_accept_length_count"] == 4
+    assert got["tandem:spec_decode_accept_length_sum"] == 10 + 4
+    assert got["tandem:spec_decode_num_target_only_steps_total"] == 4
+
+
+async def test_continuous_decode_steps_count_one_target_only_step_each(tiny_model):
+    from gateway.scheduler import SchedulerConfig
+
+    config = SchedulerConfig(num_continuous_decode_steps=4)
+    async with ops_stack(tiny_model, scheduler_config=config, serve_http=True) as stack:
+        results = await asyncio.gather(*(_generate(stack.scheduler, f"c{i}", [9 + i, 4, 21], 13) for i in range(3)))
+        gateway = await scrape(stack.base_url + "/metrics")
+    steps = sum(last.usage.verify_steps for _, last in results)
+    assert steps >= 3 * 12  # 12 tokens after the prefill's first, one per step
+    assert gateway["tandem:spec_decode_num_target_only_steps_total"] == steps
+    assert gateway.get("tandem:spec_decode_num_drafts_total", 0) == 0
+
+
 async def _generate(scheduler, request_id: str, prompt: list[int], max_new_tokens: int):
     params = GenerateParams(request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new_tokens,
                             sampling=request_sampling(temperature=0.0), ignore_eos=True)
