@@ -4,10 +4,10 @@
 #   device run:  BUDGET_S=570 bash bench/gpu_session.sh [STAGE ...]   (carry .whl: gateway wheels + flashinfer; set
 #                BUDGET_S under the call's limit_s, which shrinks to the device time left)
 # Stages: spec8b_bs64 overlap8b_sep ar8b_bs1 prefetch_ab ngram_profile overlap_ab svc64_ab ar8b_profile profile_draft_all user_auto spec8b_bs1 fewer_kernels fewer_kernels_ab services_bs8 services_bs gateway_overhead spec8b_full profile_eagle3 spec8b compile_chained dflash_bundle chained_tests chained8b chained chained2 user_path run_ahead run_ahead8b defaults_k_compile profile_serve colocate_k colocate_k8b compile_steps colocate colocate_demo colocate8b step_tests overlap overlap2 predraft adaptive mtp mtp_bundle dflash_uno step tests profile_draft decode spec_inproc spec_services serve_decode eval accept flashinfer rpc prefix
-# (default: the list below STAGES=, in order). Next session (bench/results/session26/NOTES.md: no GPU lent; the
-# prefill-first scheduler of 4de93cf and the numpy SYNTHETIC rows of d38b210 are unmeasured on a GPU): on an H200
-# `ar8b_bs1 spec8b_bs64` (#11's AR floor needs one; the batch-64 tree with prefill first), then `user_path`;
-# on an H100 `spec8b_bs64 adaptive` (ADAPTIVE_BS="1 16 32 64"); on two GPUs `overlap2` (#14).
+# (default: the list below STAGES=, in order). Next session (bench/results/session27/NOTES.md: H100s only; no H200
+# in sessions 25-27): on an H200 `ar8b_bs1 spec8b_bs64` (#11's AR floor needs one), then `user_path` and
+# `adaptive` (ADAPTIVE_BS="1 16 32 64": session 27's one 0.63x at batch 64 did not repeat on H100s); on two GPUs
+# `overlap2` (#14).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false MAX_JOBS=16
 if ls .whl/*.whl >/dev/null 2>&1; then
